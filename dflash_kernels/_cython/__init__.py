@@ -1,0 +1,1 @@
+"""Compiled Cython kernels (built from pyx/ by setup.py)."""

@@ -1,0 +1,1 @@
+"""Numba JIT kernels (the "numba" backend)."""

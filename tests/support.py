@@ -1,0 +1,78 @@
+"""Shared test helpers: tolerance table, backends, input builders.
+
+Hypothesis profiles: DFLASH_HYPOTHESIS_PROFILE = dev (few examples) | ci (default) | nightly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import dflash_kernels as dk
+from dflash_kernels._tensors import bf16_to_f32, f32_to_bf16
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+settings.register_profile("dev", max_examples=10, **_common)
+settings.register_profile("ci", max_examples=25, **_common)
+settings.register_profile("nightly", max_examples=300, **_common)
+settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "ci"))
+
+# Per storage dtype of the weights / K / V (activations are float32; references run in float64 on
+# the same rounded inputs, so the only error left is the kernel's float32 accumulation).
+TOLERANCE = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "bfloat16": dict(rtol=1e-5, atol=1e-5),  # inputs already rounded to bf16: same as fp32
+}
+# Looser tolerance for long float32 reductions (K in the thousands): error grows ~sqrt(K) * eps.
+TOLERANCE_LONG = dict(rtol=2e-4, atol=2e-4)
+
+KERNEL_BACKENDS = [b for b in ("cython", "numba") if b in dk.available_backends()]
+ALL_BACKENDS = list(dk.available_backends())
+
+
+def make_float(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """Random operand in kernel storage: float32, or uint16 bf16 bit patterns for 'bfloat16'."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return f32_to_bf16(x) if dtype == "bfloat16" else x
+
+
+def as_f64(x) -> torch.Tensor:
+    """Exact float64 torch copy of a float32 / bf16 (uint16 or torch.bfloat16) operand."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64)
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        x = bf16_to_f32(x)
+    return torch.from_numpy(np.array(x, dtype=np.float64))
+
+
+def as_torch(x: np.ndarray) -> torch.Tensor:
+    """numpy operand (uint16 = bf16) as a torch tensor of the matching dtype."""
+    if x.dtype == np.uint16:
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def readonly(x: np.ndarray) -> np.ndarray:
+    y = x.copy()
+    y.flags.writeable = False
+    return y
+
+
+def assert_close(actual, expected, *, rtol, atol, what=""):
+    """allclose that reports the worst indices on failure."""
+    a = actual.detach().double().numpy() if isinstance(actual, torch.Tensor) else np.asarray(actual, np.float64)
+    e = expected.detach().double().numpy() if isinstance(expected, torch.Tensor) else np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    err = np.abs(a - e) - (atol + rtol * np.abs(e))
+    if np.any(err > 0) or np.any(np.isnan(a) != np.isnan(e)):
+        idx = np.unravel_index(np.argmax(np.where(np.isnan(err), np.inf, err)), a.shape)
+        bad = int(np.sum(err > 0))
+        raise AssertionError(
+            f"{what}: {bad} of {a.size} elements out of tolerance (rtol={rtol}, atol={atol}); "
+            f"worst at {idx}: got {a[idx]!r}, expected {e[idx]!r}"
+        )

@@ -1,0 +1,51 @@
+"""The backend registry, thread control and the Cython build itself."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dflash_kernels as dk
+from dflash_kernels._backends import backend_error
+
+
+def test_cython_built_unless_disabled():
+    # A silent fallback to Numba would hide a broken build: fail unless the build was switched off.
+    if os.environ.get("DFLASH_NO_CYTHON") == "1":
+        pytest.skip("DFLASH_NO_CYTHON=1: the Cython build was switched off on purpose")
+    for family in ("attention", "dense", "denoise", "acceptance"):
+        assert backend_error("cython", family) is None, f"Cython {family} failed to load: {backend_error('cython', family)}"
+
+
+def test_available_backends_order():
+    assert dk.available_backends()[-1] == "torch"
+    assert set(dk.available_backends()) <= {"cython", "numba", "torch"}
+
+
+def test_unknown_backend_named_in_error():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="backend"):
+        dk.silu_and_mul(np.zeros((1, 4), np.float32), backend="cuda")
+
+
+@pytest.mark.parametrize("n_threads", [0, -1, 1.5, "2"])
+def test_bad_n_threads(n_threads):
+    import numpy as np
+
+    with pytest.raises(ValueError, match="n_threads"):
+        dk.silu_and_mul(np.zeros((1, 4), np.float32), n_threads=n_threads)
+
+
+def test_show_config(capsys):
+    dk.show_config()
+    out = capsys.readouterr().out
+    assert "backend cython" in out and "cpu ISA" in out and "torch" in out
+
+
+def test_env_backend_preference():
+    code = "import numpy as np, dflash_kernels as dk; from dflash_kernels._backends import resolve; print(resolve('auto','dense')[0])"
+    env = dict(os.environ, DFLASH_BACKEND="torch")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch"
