@@ -19,6 +19,7 @@ HERE = Path(__file__).parent
 NO_CYTHON = os.environ.get("DFLASH_NO_CYTHON") == "1"
 REQUIRE_CYTHON = os.environ.get("DFLASH_REQUIRE_CYTHON") == "1"
 MARCH = os.environ.get("DFLASH_MARCH", "native")
+ONLY = os.environ.get("DFLASH_ONLY")  # developers: rebuild just pyx/<ONLY>.pyx
 
 # Reassociation lets gcc vectorise float reductions; deliberately NOT -ffast-math, whose
 # -ffinite-math-only would break the -inf masks and NaN checks the kernels rely on.
@@ -68,6 +69,7 @@ def _extensions():
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )
         for pyx in sorted((HERE / "pyx").glob("*.pyx"))
+        if ONLY is None or pyx.stem == ONLY
     ]
     return cythonize(
         extensions,

@@ -1,7 +1,196 @@
-"""PLACEHOLDER: replaced by the real module."""
-def accept_greedy(*a, **k):
-    raise NotImplementedError
+"""Speculative acceptance: greedy prefix matching and lossless rejection sampling (dflash.md s. 4).
 
-def rejection_sample(*a, **k):
-    raise NotImplementedError
+Both ops return ``(num_accepted, out_tokens)``: ``out_tokens[b]`` holds the accepted drafts, then the
+target's token at the first mismatch / rejection (or the bonus token when every draft passed),
+then -1 padding. ``num_accepted[b]`` lies in ``[0, num_draft[b]]`` and ``num_accepted + 1`` tokens
+are emitted. Unbatched inputs (drafts (K,), targets (K+1,) / logits (K+1, V)) give a 0-d count and
+(K+1,) tokens.
+"""
 
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from ._dispatch import run
+from ._tensors import any_torch, dtype_name, float_array, index_array, wrap
+
+# kernel status codes (see dflash_kernels/_numba/acceptance.py)
+_STATUS = {1: "contains NaN or +inf", 2: "has no finite logit (all -inf)",
+           3: "draft_probs has a NaN or negative entry"}
+
+
+def draw_uniforms(generator, shape, name: str = "generator") -> np.ndarray:
+    """float64 uniforms in [0, 1) from an int seed, numpy Generator, torch.Generator or None (fresh)."""
+    if generator is None or isinstance(generator, (numbers.Integral, np.random.SeedSequence)):
+        if isinstance(generator, bool):
+            raise TypeError(f"{name} must be an int seed, numpy.random.Generator or torch.Generator")
+        return np.random.default_rng(generator).random(shape)
+    if isinstance(generator, np.random.Generator):
+        return generator.random(shape)
+    if isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, dtype=torch.float64).numpy()
+    raise TypeError(f"{name} must be an int seed, numpy.random.Generator or torch.Generator, "
+                    f"got {type(generator).__name__}")
+
+
+def check_uniforms(uniforms, shape, name: str = "uniforms") -> np.ndarray:
+    """Validate caller-supplied uniforms: exact shape, floating, all in [0, 1); float64 copy."""
+    if isinstance(uniforms, torch.Tensor):
+        uniforms = uniforms.detach().cpu().numpy()
+    u = np.asarray(uniforms)
+    if u.dtype.kind != "f":
+        raise TypeError(f"{name} must be a float array, got dtype {u.dtype}")
+    if u.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {u.shape}")
+    u = np.ascontiguousarray(u, dtype=np.float64)
+    if u.size and not (np.all(u >= 0.0) and np.all(u < 1.0)):
+        raise ValueError(f"{name} must lie in [0, 1)")
+    return u
+
+
+def check_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise ValueError(f"temperature must be a real number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    return float(temperature), int(top_k), float(top_p)
+
+
+def _num_draft(num_draft, b_sz: int, k: int) -> np.ndarray:
+    if num_draft is None:
+        return np.full(b_sz, k, np.int64)
+    scalar = np.ndim(num_draft) == 0
+    nd = index_array(num_draft, "num_draft")
+    if scalar:
+        nd = np.full(b_sz, int(nd.reshape(-1)[0]), np.int64)
+    if nd.shape != (b_sz,):
+        raise ValueError(f"num_draft must have shape ({b_sz},), got {nd.shape}")
+    if nd.size and nd.max() > k:
+        raise ValueError(f"num_draft values must lie in [0, {k}] (K = drafts per row), got max {nd.max()}")
+    return nd
+
+
+def _check_used(tokens: np.ndarray, count: np.ndarray, name: str, high: int | None) -> None:
+    """Token ids at positions < count[b] must lie in [0, high); later positions are padding."""
+    used = np.arange(tokens.shape[1])[None, :] < count[:, None]
+    vals = tokens[used]
+    if vals.size and (vals.min() < 0 or (high is not None and vals.max() >= high)):
+        bound = f"[0, {high})" if high is not None else ">= 0"
+        raise ValueError(f"{name} values must lie in {bound}, got min {vals.min()} max {vals.max()}")
+
+
+def _ids(x, name: str) -> np.ndarray:
+    return index_array(x, name, low=np.iinfo(np.int64).min)  # range checked on the used part only
+
+
+def _finish(num_accepted, out, unbatched: bool, torch_out: bool):
+    if unbatched:
+        num_accepted, out = num_accepted.reshape(()), out[0]
+    return wrap(num_accepted, torch_out), wrap(out, torch_out)
+
+
+def accept_greedy(draft_tokens, target_tokens, num_draft=None, *, vocab_size=None, n_threads=None,
+                  backend="auto"):
+    """Greedy verification: the longest prefix of drafts equal to the target's argmax choices.
+
+    draft_tokens (B, K) int, target_tokens (B, K+1) int (the target's choice at each verify row),
+    num_draft (B,) or scalar drafts per sequence (<= K, default K; drafts beyond it are ignored and
+    may be padding). vocab_size: optional upper bound for the ids. Returns (num_accepted (B,) int64,
+    out_tokens (B, K+1) int64): accepted drafts, then target_tokens[b, a] (correction or bonus),
+    then -1.
+    """
+    d = _ids(draft_tokens, "draft_tokens")
+    tg = _ids(target_tokens, "target_tokens")
+    unbatched = d.ndim == 1
+    if unbatched:
+        d, tg = d[None], tg.reshape(1, -1) if tg.ndim == 1 else tg
+    if d.ndim != 2:
+        raise ValueError(f"draft_tokens must have shape (B, K) or (K,), got {d.shape}")
+    b_sz, k = d.shape
+    if tg.shape != (b_sz, k + 1):
+        raise ValueError(f"target_tokens must have shape ({b_sz}, {k + 1}) (K+1 verify rows), got {tg.shape}")
+    nd = _num_draft(num_draft, b_sz, k)
+    _check_used(d, nd, "draft_tokens", vocab_size)
+    _check_used(tg, nd + 1, "target_tokens", vocab_size)
+    num_accepted = np.zeros(b_sz, np.int64)
+    out = np.full((b_sz, k + 1), -1, np.int64)
+    run("acceptance", "accept_greedy", (d, tg, nd), (num_accepted, out), backend=backend, n_threads=n_threads)
+    return _finish(num_accepted, out, unbatched, any_torch(draft_tokens, target_tokens))
+
+
+def rejection_sample(draft_tokens, target_logits, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
+                     num_draft=None, uniforms=None, generator=None, n_threads=None, backend="auto"):
+    """Lossless speculative sampling of one verify round; the emitted tokens follow the target exactly.
+
+    draft_tokens (B, K) int; target_logits (B, K+1, V) float32 or bf16 (row i scores position i);
+    draft_probs None (one-hot drafts, e.g. argmax drafters) or (B, K, V) float32/bf16 draft
+    distributions q. Row i of sequence b (i < num_draft[b]) accepts draft x with probability
+    p_i(x) (one-hot q) or min(1, p_i(x) / q_i(x)) (test ``u * q(x) < p(x)``; q(x) = 0 accepts iff
+    p(x) > 0). At the first rejection the replacement is drawn from normalize(max(0, p_i - q_i))
+    (p_i with x removed for one-hot q; p_i itself if that residual is all zero); if all drafts pass,
+    the bonus token is drawn from row num_draft[b]. Rows after the first rejection are never read.
+
+    p = softmax(logits / temperature) restricted by top_k (keep logits >= the k-th largest: ties at
+    the threshold are all kept; 0 = off) and then top_p (keep probabilities >= p*, p* the smallest
+    probability in the shortest descending prefix whose mass reaches top_p; ties at p* kept).
+    temperature == 0 is greedy: p = one-hot(argmax, first index), i.e. accept_greedy on the argmaxes.
+
+    Randomness: uniforms (B, K+1, 2) float in [0, 1): [b, i, 0] decides acceptance at row i,
+    [b, i, 1] draws the replacement / bonus at row i by inverse CDF (first index, in index order,
+    whose running sum exceeds u * total). Without uniforms they are drawn from `generator` (int
+    seed, numpy Generator, torch.Generator; None = fresh entropy) as a float64 (B, K+1, 2) array.
+
+    Logits: a processed row with NaN (or +inf when temperature > 0), or with no finite entry, raises
+    ValueError naming target_logits; -inf entries are tokens of probability 0. The kernels treat
+    probabilities below e^-87 of the row maximum as 0.
+
+    Returns (num_accepted (B,) int64, out_tokens (B, K+1) int64 with -1 padding).
+    """
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    d = _ids(draft_tokens, "draft_tokens")
+    logits = float_array(target_logits, "target_logits")
+    unbatched = d.ndim == 1
+    if unbatched:
+        d = d[None]
+        if logits.ndim == 2:
+            logits = logits[None]
+    if d.ndim != 2:
+        raise ValueError(f"draft_tokens must have shape (B, K) or (K,), got {d.shape}")
+    b_sz, k = d.shape
+    if logits.ndim != 3 or logits.shape[:2] != (b_sz, k + 1):
+        raise ValueError(f"target_logits must have shape ({b_sz}, {k + 1}, V) (K+1 verify rows), "
+                         f"got {tuple(np.shape(target_logits))}")
+    v_sz = logits.shape[2]
+    if v_sz == 0:
+        raise ValueError("target_logits must have a non-empty vocabulary axis")
+    q = None
+    if draft_probs is not None:
+        q = float_array(draft_probs, "draft_probs")
+        if unbatched and q.ndim == 2:
+            q = q[None]
+        if q.shape != (b_sz, k, v_sz):
+            raise ValueError(f"draft_probs must have shape ({b_sz}, {k}, {v_sz}), got {tuple(np.shape(draft_probs))}")
+    nd = _num_draft(num_draft, b_sz, k)
+    _check_used(d, nd, "draft_tokens", v_sz)
+    if uniforms is None:
+        u = draw_uniforms(generator, (b_sz, k + 1, 2))
+    else:
+        u = check_uniforms(uniforms, (1, k + 1, 2) if unbatched and np.ndim(uniforms) == 3 else
+                           ((k + 1, 2) if unbatched else (b_sz, k + 1, 2)))
+        u = u.reshape(b_sz, k + 1, 2)
+    num_accepted = np.zeros(b_sz, np.int64)
+    out = np.full((b_sz, k + 1), -1, np.int64)
+    status = np.zeros(b_sz, np.int64)
+    run("acceptance", "rejection_sample", (d, logits, q, nd), (num_accepted, out, status), backend=backend,
+        n_threads=n_threads, uniforms=u, temperature=temperature, top_k=top_k, top_p=top_p)
+    bad = np.flatnonzero(status)
+    if bad.size:
+        b = int(bad[0])
+        what = _STATUS[int(status[b])]
+        raise ValueError(f"target_logits[{b}] {what}" if status[b] != 3 else f"{what} (sequence {b})")
+    return _finish(num_accepted, out, unbatched, any_torch(draft_tokens, target_logits))

@@ -1,7 +1,123 @@
-"""PLACEHOLDER: replaced by the real module."""
-def cached_attention(*a, **k):
-    raise NotImplementedError
+"""Attention for DFlash: the drafter's injected-KV attention and attention over a KV cache.
 
-def injected_kv_attention(*a, **k):
-    raise NotImplementedError
+Both ops compute, per query head h (GQA: it reads kv head ``h // (H_q // H_kv)``),
+``softmax(q K^T * scale + mask) V`` over keys numbered by absolute position 0 .. T_kv-1, where
+query i sits at position p_i. A key at position j is visible to the query at p when
 
+    lo(p) <= j <= hi(p),   lo(p) = max(0, p - window + 1) if window else 0,
+                           hi(p) = p if causal else T_kv - 1,
+
+so every query sees at least its own position (window >= 1): no row is ever fully masked.
+
+Storage: q float32 or bf16 (upcast once, it is small); K/V float32 or bf16 (torch.bfloat16 or numpy
+uint16), read directly by the kernels. Outputs are float32. Inputs must be finite: NaN/inf in q, K
+or V give unspecified (typically NaN) outputs for the rows that see them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._dispatch import run
+from ._tensors import any_torch, f32_array, float_array, wrap
+
+
+def _window(window):
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    return int(window)
+
+
+def _scale(scale, d: int) -> float:
+    if scale is None:
+        return d ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _kv_pair(k, v, k_name: str, v_name: str, h_kv=None, d=None):
+    """Validate a (T, H_kv, D) key/value pair; return numpy arrays (float32 or uint16)."""
+    ka = float_array(k, k_name, ndim=3)
+    va = float_array(v, v_name, ndim=3)
+    if ka.shape != va.shape:
+        raise ValueError(f"{k_name} and {v_name} must have the same shape, got {ka.shape} and {va.shape}")
+    if ka.dtype != va.dtype:
+        raise TypeError(f"{k_name} and {v_name} must have the same dtype, got {ka.dtype} and {va.dtype}")
+    if h_kv is not None and ka.shape[1] != h_kv:
+        raise ValueError(f"{k_name} must have {h_kv} kv heads like the other keys, got shape {ka.shape}")
+    if d is not None and ka.shape[2] != d:
+        raise ValueError(f"{k_name} head dim must equal q's head dim {d}, got shape {ka.shape}")
+    return ka, va
+
+
+def _check_q(qa):
+    if qa.shape[2] < 1:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {qa.shape}")
+
+
+def _check_heads(h_q: int, h_kv: int, k_name: str):
+    if h_kv < 1 or h_q < 1 or h_q % h_kv:
+        raise ValueError(f"q heads ({h_q}) must be a positive multiple of {k_name} heads ({h_kv})")
+
+
+def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_block=False, window=None,
+                          n_threads=None, backend="auto"):
+    """Drafter attention: block queries over [injected context | block] keys/values, without a copy.
+
+    q: (T_q, H_q, D) block queries. k_ctx, v_ctx: (T_ctx, H_kv, D) context keys/values (T_ctx may
+    be 0). k_blk, v_blk: (T_q, H_kv, D) the block's own keys/values. H_q % H_kv == 0.
+    Returns (T_q, H_q, D) float32.
+
+    Positions: context row j sits at position j, block row i at T_ctx + i (query i too). Default
+    (``full_attention`` drafter layers): every query sees every context and block key, no mask.
+    ``causal_block=True``: query i sees block keys 0..i only (and all context).
+    ``window=w`` (``sliding_attention`` layers): query i (position p = T_ctx + i) sees only keys at
+    positions j > p - w, i.e. the last w positions up to itself; without causal_block it also sees
+    the block keys after it. scale defaults to D**-0.5. Both sources may have different dtypes.
+    """
+    qa = f32_array(q, "q", ndim=3)
+    _check_q(qa)
+    t_q, h_q, d = qa.shape
+    kc, vc = _kv_pair(k_ctx, v_ctx, "k_ctx", "v_ctx", d=d)
+    kb, vb = _kv_pair(k_blk, v_blk, "k_blk", "v_blk", h_kv=kc.shape[1], d=d)
+    _check_heads(h_q, kc.shape[1], "k_ctx")
+    if kb.shape[0] != t_q:
+        raise ValueError(f"k_blk must have T_q = {t_q} rows (one per query), got shape {kb.shape}")
+    sc, win = _scale(scale, d), _window(window)
+    out = np.empty((t_q, h_q, d), np.float32)
+    if t_q:
+        run("attention", "injected_kv_attention", (qa, kc, vc, kb, vb), out, backend=backend,
+            n_threads=n_threads, scale=sc, causal_block=bool(causal_block), window=win)
+    return wrap(out, any_torch(q, k_ctx, v_ctx, k_blk, v_blk))
+
+
+def cached_attention(q, k_cache, v_cache, *, causal=True, scale=None, window=None, n_threads=None,
+                     backend="auto"):
+    """Attention of the last T_q positions of a KV cache (decode T_q = 1, verification T_q = k+1, prefill).
+
+    q: (T_q, H_q, D); k_cache, v_cache: (T_kv, H_kv, D) with T_q <= T_kv, H_q % H_kv == 0; the cache
+    already holds the queries' own keys. Query i sits at position p = T_kv - T_q + i.
+    ``causal=True`` (bottom-right aligned): it sees keys 0..p; ``causal=False``: all keys.
+    ``window=w``: additionally only keys at positions j > p - w. scale defaults to D**-0.5.
+    Returns (T_q, H_q, D) float32.
+    """
+    qa = f32_array(q, "q", ndim=3)
+    _check_q(qa)
+    t_q, h_q, d = qa.shape
+    kc, vc = _kv_pair(k_cache, v_cache, "k_cache", "v_cache", d=d)
+    _check_heads(h_q, kc.shape[1], "k_cache")
+    if t_q > kc.shape[0]:
+        raise ValueError(f"q has T_q = {t_q} rows but k_cache only T_kv = {kc.shape[0]}; need T_q <= T_kv")
+    sc, win = _scale(scale, d), _window(window)
+    out = np.empty((t_q, h_q, d), np.float32)
+    if t_q:
+        run("attention", "cached_attention", (qa, kc, vc), out, backend=backend, n_threads=n_threads,
+            causal=bool(causal), scale=sc, window=win)
+    return wrap(out, any_torch(q, k_cache, v_cache))

@@ -1,7 +1,81 @@
-"""PLACEHOLDER: replaced by the real module."""
-def denoise_block(*a, **k):
-    raise NotImplementedError
+"""The drafter's token choice for a block, and the block it denoises (dflash.md sections 2-3)."""
 
-def make_draft_block(*a, **k):
-    raise NotImplementedError
+from __future__ import annotations
 
+import numbers
+
+import numpy as np
+
+from ._backends import resolve
+from ._dispatch import run
+from ._tensors import any_torch, f32_array, float_array, index_array, wrap
+from ._threads import resolve_threads
+from .acceptance import check_sampling, check_uniforms, draw_uniforms
+
+
+def denoise_block(hidden, lm_head, *, temperature=0.0, top_k=0, top_p=1.0, generator=None, uniforms=None,
+                  n_threads=None, backend="auto"):
+    """One token per row of ``hidden @ lm_head^T``, without materialising the logits when greedy.
+
+    hidden (T, H) float32 (bf16 is upcast): the drafter block's final-normed rows (or the target's
+    verify rows). lm_head (V, H) float32 or bf16, read in place (memory-mapped weights are fine).
+    Returns (T,) int64.
+
+    temperature == 0: argmax per row, first index on ties; one streaming pass over lm_head.
+    temperature > 0: a draw from softmax(logits / temperature) after top_k / top_p filtering (same
+    rules as ``rejection_sample``), by inverse CDF at uniforms (T,) in [0, 1), drawn from
+    `generator` (int seed, numpy Generator, torch.Generator; None = fresh) when not given.
+    Logits are materialised (T, V) float32 on this path.
+
+    A NaN logit (NaN / inf in hidden or lm_head) raises ValueError; hidden is checked up front,
+    lm_head only through the logits it produces.
+    """
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    x = f32_array(hidden, "hidden", ndim=2)
+    w = float_array(lm_head, "lm_head", ndim=2)
+    t_sz, h_sz = x.shape
+    if w.shape[1] != h_sz:
+        raise ValueError(f"lm_head must have shape (V, {h_sz}) to match hidden (T, H), got {w.shape}")
+    if w.shape[0] == 0:
+        raise ValueError("lm_head must have at least one vocabulary row")
+    if not np.isfinite(x).all():
+        raise ValueError("hidden contains NaN or inf")
+    u = None
+    if temperature > 0:
+        u = draw_uniforms(generator, (t_sz,)) if uniforms is None else check_uniforms(uniforms, (t_sz,))
+    tokens = np.zeros(t_sz, np.int64)
+    status = np.zeros(t_sz, np.int64)
+    if t_sz:
+        run("denoise", "denoise_block", (x, w), (tokens, status), backend=backend, n_threads=n_threads,
+            temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
+    bad = np.flatnonzero(status)
+    if bad.size:
+        raise ValueError(f"logits row {int(bad[0])} is not finite (lm_head contains NaN or inf)")
+    return wrap(tokens, any_torch(hidden, lm_head))
+
+
+def make_draft_block(anchor_ids, mask_token_id, block_size, *, vocab_size=None, n_threads=None,
+                     backend="auto"):
+    """The block a drafter denoises: [anchor, MASK x (block_size - 1)] per sequence.
+
+    anchor_ids (B,) or a scalar (last committed token per sequence) -> (B, block_size) int64, or
+    (block_size,) for a scalar anchor. A plain fill: n_threads and backend are validated for API
+    uniformity only.
+    """
+    resolve_threads(n_threads)
+    resolve(backend, "denoise")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0:
+        raise ValueError(f"mask_token_id must be an int >= 0, got {mask_token_id!r}")
+    if vocab_size is not None and mask_token_id >= vocab_size:
+        raise ValueError(f"mask_token_id must be < vocab_size {vocab_size}, got {mask_token_id}")
+    scalar = np.ndim(anchor_ids) == 0
+    anchors = index_array(anchor_ids, "anchor_ids", high=vocab_size)
+    if anchors.ndim > 1:
+        raise ValueError(f"anchor_ids must be a scalar or have shape (B,), got {anchors.shape}")
+    block = np.full((anchors.size, int(block_size)), int(mask_token_id), np.int64)
+    block[:, 0] = anchors.reshape(-1)
+    if scalar:
+        block = block[0]
+    return wrap(block, any_torch(anchor_ids))

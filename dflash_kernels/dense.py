@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._dispatch import run
-from ._tensors import f32_array, is_torch, wrap
+from ._tensors import dtype_name, f32_array, float_array, index_array, is_torch, wrap
 
 
 def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
@@ -21,13 +23,119 @@ def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
     return wrap(out, is_torch(gate_up))
 
 
-def linear(*a, **k):  # PLACEHOLDER
-    raise NotImplementedError
+def linear(x, weight, bias=None, *, n_threads=None, backend="auto"):
+    """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
+
+    x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
+    place (bf16 is upcast inside the kernel, never as a whole matrix; read-only / memory-mapped
+    weights are fine). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
+    NaN / inf in the inputs propagate as in IEEE arithmetic.
+    """
+    if getattr(x, "ndim", 1) < 1:
+        raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
+    xa = f32_array(x, "x")
+    w = float_array(weight, "weight", ndim=2)
+    n, k = w.shape
+    if xa.shape[-1] != k:
+        raise ValueError(f"x and weight disagree on K: x has shape {xa.shape} (K={xa.shape[-1]}), "
+                         f"weight has shape {w.shape} (N, K={k})")
+    b = None
+    if bias is not None:
+        b = f32_array(bias, "bias", ndim=1)
+        if b.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},) to match weight {w.shape}, got {b.shape}")
+    lead = xa.shape[:-1]
+    x2 = xa.reshape(math.prod(lead), k)  # (M, K)
+    out = np.empty((x2.shape[0], n), np.float32)  # (M, N)
+    if out.size and k == 0:  # an empty sum: only the bias is left
+        out[...] = 0.0 if b is None else b
+    elif out.size:
+        run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads)
+    return wrap(out.reshape(*lead, n), is_torch(x))
 
 
-def rms_norm(*a, **k):  # PLACEHOLDER
-    raise NotImplementedError
+def _eps(eps) -> float:
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"eps must be a real number, got {eps!r}") from None
+    if not (e >= 0.0 and math.isfinite(e)):  # also rejects NaN
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    return e
 
 
-def apply_rope(*a, **k):  # PLACEHOLDER
-    raise NotImplementedError
+def rms_norm(x, w, eps=1e-6, *, offset=0.0, residual=None, n_threads=None, backend="auto"):
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * (offset + w)``, in float32.
+
+    x: (..., H) float32 or bf16 (any rank >= 1). w: (H,) float32 or bf16. offset: 0.0 for Qwen3's
+    RMSNorm, 1.0 for the zero-centred norms of Qwen3.5 (weight stored as w - 1).
+    residual: optional (..., H) like x; then the pre-norm residual add is fused in and the result is
+    ``(rms_norm(x + residual), x + residual)``, both float32. Otherwise returns the normed array.
+    A row of zeros with eps = 0 gives NaN (0 * inf), as the formula does.
+    """
+    xa = f32_array(x, "x")
+    if getattr(x, "ndim", 1) < 1 or xa.shape[-1] == 0:
+        raise ValueError(f"x must have shape (..., H) with H >= 1, got {xa.shape}")
+    h = xa.shape[-1]
+    wa = f32_array(w, "w", ndim=1)
+    if wa.shape != (h,):
+        raise ValueError(f"w must have shape ({h},) to match x {xa.shape}, got {wa.shape}")
+    params = dict(eps=_eps(eps), offset=float(offset))
+    x2 = xa.reshape(-1, h)  # (M, H)
+    out = np.empty(x2.shape, np.float32)
+    torch_out = is_torch(x)
+    if residual is None:
+        if out.size:
+            run("dense", "rms_norm", (x2, wa), out, backend=backend, n_threads=n_threads, **params)
+        return wrap(out.reshape(xa.shape), torch_out)
+    ra = f32_array(residual, "residual")
+    if ra.shape != xa.shape:
+        raise ValueError(f"residual must have the shape of x {xa.shape}, got {ra.shape}")
+    new_res = np.empty(x2.shape, np.float32)
+    if out.size:
+        run("dense", "rms_norm_residual", (x2, ra.reshape(-1, h), wa), (out, new_res), backend=backend,
+            n_threads=n_threads, **params)
+    return wrap(out.reshape(xa.shape), torch_out), wrap(new_res.reshape(xa.shape), torch_out)
+
+
+def apply_rope(x, positions, theta, rotary_dim=None, *, out=None, n_threads=None, backend="auto"):
+    """Rotary position embedding, NeoX rotate-half style, over the first ``rotary_dim`` dims.
+
+    x: (T, H, D) float32 (bf16 accepted, upcast). positions: (T,) non-negative integers.
+    theta: base > 0; ``inv_freq[j] = theta ** (-2j / rotary_dim)``, j < rotary_dim/2, and the angles
+    ``pos * inv_freq`` are formed in float64 (exact enough for positions ~2.6e5, theta 1e7).
+    rotary_dim: even, 2 <= rotary_dim <= D (default D); dims past it are copied unchanged
+    (Qwen3.5 partial rotary: rotary_dim = D / 4).
+    out: optional float32 C-contiguous (T, H, D) array / tensor to write into; ``out=x`` rotates x in
+    place (the model layer uses that for q and k). Partially overlapping buffers are not supported.
+    Returns (T, H, D) float32: ``out`` when given, else a new array.
+    """
+    xa = f32_array(x, "x", ndim=3)
+    t, _, d = xa.shape
+    pos = index_array(positions, "positions", ndim=1)
+    if pos.shape != (t,):
+        raise ValueError(f"positions must have shape ({t},) to match x {xa.shape}, got {pos.shape}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer, np.floating)):
+        raise TypeError(f"theta must be a real number, got {theta!r}")
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"theta must be finite and > 0, got {theta!r}")
+    rd = d if rotary_dim is None else rotary_dim
+    if isinstance(rd, bool) or not isinstance(rd, (int, np.integer)):
+        raise TypeError(f"rotary_dim must be an int, got {rotary_dim!r}")
+    if rd < 2 or rd % 2 or rd > d:
+        raise ValueError(f"rotary_dim must be even with 2 <= rotary_dim <= D={d}, got {rd}")
+    if out is None:
+        dst = np.empty(xa.shape, np.float32)
+        result = None
+    else:
+        if dtype_name(out) != "float32":
+            raise TypeError(f"out must be float32, got {dtype_name(out)}")
+        dst = out.detach().numpy() if is_torch(out) else out
+        if not isinstance(dst, np.ndarray) or dst.shape != xa.shape or not dst.flags.c_contiguous \
+                or not dst.flags.writeable:
+            raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {xa.shape}")
+        result = out
+    if dst.size:
+        run("dense", "apply_rope", (xa, pos), dst, backend=backend, n_threads=n_threads,
+            theta=float(theta), rotary_dim=int(rd))
+    return result if result is not None else wrap(dst, is_torch(x))

@@ -1,14 +1,386 @@
 # cython: language_level=3
-"""Cython kernels for the dense ops."""
+"""Cython kernels for the dense ops: linear (fp32 / bf16 weights), RMSNorm, RoPE, SwiGLU.
 
-from cython.parallel cimport prange
-from libc.math cimport expf
+The inner loops live in the C block below, written with GCC vector extensions so that the register
+blocking is explicit and one source compiles to AVX2 (8-float ymm) or AVX-512 (16-float zmm). The
+Cython functions validate nothing (the public wrappers do), split the work over OpenMP threads and
+own the per-thread scratch. Every output element is computed by one thread in a fixed order, so
+results do not depend on n_threads.
+"""
+
+from cython.parallel cimport parallel, prange
+from libc.math cimport cos, pow, sin, sqrtf
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #include <string.h>
+
+    #if defined(__AVX512F__)
+    #define DK_VW 16  /* floats per vector register */
+    #else
+    #define DK_VW 8
+    #endif
+    /* Register tile: DK_MR x rows times DK_NR weight rows, DK_MR * DK_NR vector accumulators */
+    #ifndef DK_MR
+    #if DK_VW == 16
+    #define DK_MR 4   /* 4 x 4 = 16 of 32 zmm */
+    #else
+    #define DK_MR 3   /* 3 x 4 = 12 of 16 ymm */
+    #endif
+    #endif
+    #ifndef DK_NR
+    #define DK_NR 4
+    #endif
+    #ifndef DK_KC
+    #define DK_KC 512    /* K chunk: a DK_NR x DK_KC fp32 weight panel stays in L1 */
+    #endif
+    #define DK_MB 64     /* x rows per block: the block's x stays in L2 while W streams */
+    #define DK_AI static inline __attribute__((always_inline))
+
+    typedef float dk_vf __attribute__((vector_size(4 * DK_VW)));
+    typedef uint32_t dk_vu __attribute__((vector_size(4 * DK_VW)));
+    typedef uint16_t dk_vh __attribute__((vector_size(2 * DK_VW)));
+    typedef int32_t dk_vi __attribute__((vector_size(4 * DK_VW)));
+
+    DK_AI dk_vf dk_load(const float *p) { dk_vf v; memcpy(&v, p, sizeof v); return v; }
+    DK_AI void dk_store(float *p, dk_vf v) { memcpy(p, &v, sizeof v); }
+    /* bf16 -> fp32 is exact: a bf16 is the high half of an fp32 */
+    DK_AI dk_vf dk_load_bf16(const uint16_t *p) {
+        dk_vh h; memcpy(&h, p, sizeof h);
+        return (dk_vf)(__builtin_convertvector(h, dk_vu) << 16);
+    }
+    DK_AI float dk_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+    /* element i of a weight matrix stored as fp32 (bf16 = 0) or bf16 bit patterns (bf16 = 1) */
+    DK_AI dk_vf dk_load_w(const void *w, long i, int bf16) {
+        return bf16 ? dk_load_bf16((const uint16_t *)w + i) : dk_load((const float *)w + i);
+    }
+    DK_AI float dk_w(const void *w, long i, int bf16) {
+        return bf16 ? dk_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+    }
+    DK_AI const void *dk_wrow(const void *w, long i, int bf16) {
+        return (const char *)w + i * (bf16 ? 2 : 4);
+    }
+    DK_AI float dk_hsum(dk_vf v) { float s = 0.0f; for (int i = 0; i < DK_VW; i++) s += v[i]; return s; }
+
+    /* ---- linear: out[m, n] = x[m, :] . w[n, :] + bias[n] ---------------------------------------- */
+
+    /* acc[i][j] += x[i, k0:k1] . w[j, k0:k1], k1 - k0 a multiple of DK_VW (vectors along k) */
+    DK_AI void dk_core(const int mr, const int nr, const int bf16, long k0, long k1, const float *x,
+                       long ldx, const void *w, long ldw, dk_vf acc[DK_MR][DK_NR]) {
+        for (long k = k0; k < k1; k += DK_VW) {
+            dk_vf xv[DK_MR];
+            for (int i = 0; i < mr; i++) xv[i] = dk_load(x + i * ldx + k);
+            for (int j = 0; j < nr; j++) {
+                dk_vf wv = dk_load_w(w, j * ldw + k, bf16);
+                for (int i = 0; i < mr; i++) acc[i][j] += xv[i] * wv;
+            }
+        }
+    }
+
+    /* out[i, j] = hsum(acc[i][j]) + x[i, kt:ke] . w[j, kt:ke] (the < DK_VW tail) + bias[j] */
+    DK_AI void dk_finish(const int mr, const int nr, const int bf16, long kt, long ke, const float *x,
+                         long ldx, const void *w, long ldw, dk_vf acc[DK_MR][DK_NR],
+                         const float *bias, float *out, long ldo) {
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) {
+                float s = dk_hsum(acc[i][j]);
+                for (long k = kt; k < ke; k++) s += x[i * ldx + k] * dk_w(w, j * ldw + k, bf16);
+                out[i * ldo + j] = bias ? s + bias[j] : s;
+            }
+    }
+
+    /* A full-K register tile, weights read in place (the M <= DK_MR path: GEMV-like, memory bound) */
+    DK_AI void dk_tile_full(const int mr, const int nr, const int bf16, long K, const float *x,
+                            const void *w, const float *bias, float *out, long ldo) {
+        dk_vf acc[DK_MR][DK_NR];
+        for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) acc[i][j] = (dk_vf){0};
+        long kv = K - K % DK_VW;
+        dk_core(mr, nr, bf16, 0, kv, x, K, w, K, acc);
+        dk_finish(mr, nr, bf16, kv, K, x, K, w, K, acc, bias, out, ldo);
+    }
+
+    /* One K chunk of a tile over an fp32 weight panel; the vector partial sums persist in accbuf
+       ([mr][DK_NR] vectors, row stride DK_NR) between chunks, and are reduced after the last one */
+    DK_AI void dk_tile_chunk(const int mr, const int nr, long kc, int first, int last,
+                             const float *x, long ldx, const float *w, long ldw, float *accbuf,
+                             const float *bias, float *out, long ldo) {
+        dk_vf acc[DK_MR][DK_NR];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++)
+                acc[i][j] = first ? (dk_vf){0} : dk_load(accbuf + (i * DK_NR + j) * DK_VW);
+        long kv = kc - kc % DK_VW;
+        dk_core(mr, nr, 0, 0, kv, x, ldx, w, ldw, acc);
+        if (last) {
+            dk_finish(mr, nr, 0, kv, kc, x, ldx, w, ldw, acc, bias, out, ldo);
+        } else {
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) dk_store(accbuf + (i * DK_NR + j) * DK_VW, acc[i][j]);
+        }
+    }
+
+    /* Switches that turn the runtime tile sizes into compile-time constants (full unrolling,
+       accumulators in registers). nr is DK_NR or 1. */
+    #if DK_MR >= 4
+    #define DK_CASE4(CALL) case 4: CALL(4); break;
+    #else
+    #define DK_CASE4(CALL)
+    #endif
+    #define DK_MR_SWITCH(mr, CALL) switch (mr) { \\
+        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; DK_CASE4(CALL) }
+
+    static void dk_full(int mr, int nr, int bf16, long K, const float *x, const void *w,
+                        const float *bias, float *out, long ldo) {
+    #define DK_FULL(MR_) \\
+        if (bf16) { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 1, K, x, w, bias, out, ldo); \\
+                    else dk_tile_full(MR_, 1, 1, K, x, w, bias, out, ldo); } \\
+        else { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 0, K, x, w, bias, out, ldo); \\
+               else dk_tile_full(MR_, 1, 0, K, x, w, bias, out, ldo); }
+        DK_MR_SWITCH(mr, DK_FULL)
+    #undef DK_FULL
+    }
+
+    static void dk_chunk(int mr, int nr, long kc, int first, int last, const float *x, long ldx,
+                         const float *w, long ldw, float *accbuf, const float *bias, float *out, long ldo) {
+    #define DK_CHUNK(MR_) \\
+        if (nr == DK_NR) dk_tile_chunk(MR_, DK_NR, kc, first, last, x, ldx, w, ldw, accbuf, bias, out, ldo); \\
+        else dk_tile_chunk(MR_, 1, kc, first, last, x, ldx, w, ldw, accbuf, bias, out, ldo);
+        DK_MR_SWITCH(mr, DK_CHUNK)
+    #undef DK_CHUNK
+    }
+
+    /* out[0:M, n0:n0+nr] for M <= DK_MR: each weight row is read once, straight from memory */
+    static void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
+                                const void *w, const float *bias, float *out) {
+        const void *wg = dk_wrow(w, n0 * K, bf16);
+        const float *bg = bias ? bias + n0 : NULL;
+        if (nr == DK_NR) {
+            dk_full(M, DK_NR, bf16, K, x, wg, bg, out + n0, N);
+        } else {
+            for (long j = 0; j < nr; j++)
+                dk_full(M, 1, bf16, K, x, dk_wrow(wg, j * K, bf16), bg ? bg + j : NULL, out + n0 + j, N);
+        }
+    }
+
+    /* out[m0:m0+mb, n0:n0+nr] for larger M: per K chunk, the weight panel (upcast into wbuf when
+       bf16) is reused from L1 by every DK_MR-row tile of the block; accbuf holds [mb][DK_NR] vectors.
+       x has row stride ldx: padded by the caller so that its rows do not all fall into the same L1
+       sets (a 16 KiB stride would thrash them). */
+    static void dk_group_chunked(long m0, long mb, long K, long N, long n0, long nr, int bf16,
+                                 const float *x, long ldx, const void *w, const float *bias, float *out,
+                                 float *wbuf, float *accbuf) {
+        const float *bg = bias ? bias + n0 : NULL;
+        for (long k0 = 0; k0 < K; k0 += DK_KC) {
+            long kc = K - k0 < DK_KC ? K - k0 : DK_KC;
+            const float *panel;
+            long ldw;
+            if (bf16) {
+                const uint16_t *wh = (const uint16_t *)w + n0 * K + k0;
+                for (long j = 0; j < nr; j++)
+                    for (long k = 0; k < kc; k++) wbuf[j * DK_KC + k] = dk_bf16(wh[j * K + k]);
+                panel = wbuf;
+                ldw = DK_KC;
+            } else {
+                panel = (const float *)w + n0 * K + k0;
+                ldw = K;
+            }
+            int first = k0 == 0, last = k0 + kc == K;
+            for (long i = 0; i < mb; i += DK_MR) {
+                int mr = mb - i < DK_MR ? mb - i : DK_MR;
+                const float *xi = x + (m0 + i) * ldx + k0;
+                float *oi = out + (m0 + i) * N + n0;
+                float *ai = accbuf + i * DK_NR * DK_VW;
+                if (nr == DK_NR) {
+                    dk_chunk(mr, DK_NR, kc, first, last, xi, ldx, panel, ldw, ai, bg, oi, N);
+                } else {
+                    for (long j = 0; j < nr; j++)
+                        dk_chunk(mr, 1, kc, first, last, xi, ldx, panel + j * ldw, ldw, ai + j * DK_VW,
+                                 bg ? bg + j : NULL, oi + j, N);
+                }
+            }
+        }
+    }
+
+    /* ---- exp, SwiGLU, RMSNorm, RoPE rows ------------------------------------------------------- */
+
+    /* exp(x) in fp32 (Cephes expf): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-5 polynomial,
+       2^n put into the exponent bits. ~1-2 ulp; inputs are clamped so 2^n stays a normal number
+       (exp underflows to ~1e-38 instead of 0, overflows to ~2e38 instead of inf). */
+    DK_AI float dk_expf(float x) {
+        x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+        float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+        float r = __builtin_fmaf(n, -0.693359375f, x);   /* ln2 split in two: exact n * ln2_hi */
+        r = __builtin_fmaf(n, 2.12194440e-4f, r);
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        float y = p * r * r + r + 1.0f;
+        int32_t e = ((int32_t)n + 127) << 23;
+        float scale;
+        memcpy(&scale, &e, 4);
+        return y * scale;
+    }
+
+    static void dk_silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, long n) {
+        for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + dk_expf(-g[i])) * u[i];
+    }
+
+    /* o = x / rms(x) * (offset + w); with res != NULL, x + res is normed and stored into new_res */
+    static void dk_rms_norm_row(const float *restrict x, const float *restrict res, const float *restrict w,
+                                float offset, float eps, long h, float *restrict o, float *restrict new_res) {
+        const float *v = x;
+        if (res) {
+            for (long i = 0; i < h; i++) new_res[i] = x[i] + res[i];
+            v = new_res;
+        }
+        float ss = 0.0f;
+        for (long i = 0; i < h; i++) ss += v[i] * v[i];
+        float inv = 1.0f / __builtin_sqrtf(ss / (float)h + eps);
+        for (long i = 0; i < h; i++) o[i] = v[i] * inv * (offset + w[i]);
+    }
+
+    /* NeoX rotate-half over the first 2*half dims of one head; the rest is copied */
+    static void dk_rope_row(const float *x, const float *restrict c, const float *restrict s, long half,
+                            long d, float *o) {
+        for (long j = 0; j < half; j++) {
+            float a = x[j], b = x[j + half];
+            o[j] = a * c[j] - b * s[j];
+            o[j + half] = b * c[j] + a * s[j];
+        }
+        if (o != x) for (long j = 2 * half; j < d; j++) o[j] = x[j];
+    }
+    """
+    int DK_MR, DK_NR, DK_KC, DK_MB, DK_VW
+    void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
+                         const void *w, const float *bias, float *out)
+    void dk_group_chunked(long m0, long mb, long K, long N, long n0, long nr, int bf16,
+                          const float *x, long ldx, const void *w, const float *bias, float *out,
+                          float *wbuf, float *accbuf)
+    void dk_silu_mul_row(const float *g, const float *u, float *o, long n)
+    void dk_rms_norm_row(const float *x, const float *res, const float *w, float offset, float eps,
+                         long h, float *o, float *new_res)
+    void dk_rope_row(const float *x, const float *c, const float *s, long half, long d, float *o)
+
+
+ctypedef fused wtype:
+    float
+    unsigned short  # bf16 bit patterns
+
+# Below this much work (multiply-adds / elements) one thread beats waking the OpenMP pool.
+cdef Py_ssize_t PARALLEL_MACS = 1 << 18
+cdef Py_ssize_t PARALLEL_ELEMS = 1 << 15
+
+
+cdef inline int _threads(Py_ssize_t work, Py_ssize_t threshold, int n_threads) noexcept nogil:
+    return n_threads if work >= threshold else 1
+
+
+def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] bias, float[:, ::1] out,
+           *, int n_threads):
+    """out (M, N) = x (M, K) @ weight (N, K)^T + bias (N,); weight fp32 or bf16 (uint16)."""
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
+    cdef Py_ssize_t ngroups = (N + DK_NR - 1) // DK_NR, g, n0, b, m0, mb
+    cdef int bf16 = 0 if wtype is float else 1
+    cdef const float *xp = &x[0, 0]
+    cdef const void *wp = <const void *> &weight[0, 0]
+    cdef const float *bp = NULL if bias is None else &bias[0]
+    cdef float *op = &out[0, 0]
+    cdef float *wbuf
+    cdef float *accbuf
+    cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    if M <= DK_MR:
+        # Memory bound: weight rows split over threads, each read once with x in registers/L1.
+        # Dynamic chunks keep both threads busy on a shared, noisy machine; every output is still
+        # computed by one thread in a fixed order, so the result does not depend on the schedule.
+        for g in prange(ngroups, nogil=True, num_threads=nt, schedule="dynamic", chunksize=8):
+            n0 = g * DK_NR
+            dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, wp, bp, op)
+        return
+    # Compute bound: blocks of DK_MB rows; inside a block, weight row groups split over threads.
+    # x is copied once with a padded row stride (see dk_group_chunked): (M, ldx); ldx = K rounded up
+    # to 16 floats plus 16, so a 4 KiB-multiple row stride (K = 1024, 4096, ...) gets 64 bytes more.
+    cdef Py_ssize_t ldx = (K + 15) // 16 * 16 + 16, m
+    cdef float *xpad = <float *> malloc(M * ldx * sizeof(float))
+    if xpad == NULL:
+        raise MemoryError()
+    for m in range(M):
+        memcpy(&xpad[m * ldx], &x[m, 0], K * sizeof(float))
+    with nogil, parallel(num_threads=nt):
+        wbuf = <float *> malloc(DK_NR * DK_KC * sizeof(float))
+        accbuf = <float *> malloc(DK_MB * DK_NR * DK_VW * sizeof(float))
+        for b in range((M + DK_MB - 1) // DK_MB):
+            m0 = b * DK_MB
+            mb = min(<Py_ssize_t> DK_MB, M - m0)
+            for g in prange(ngroups, schedule="dynamic", chunksize=4):
+                n0 = g * DK_NR
+                dk_group_chunked(m0, mb, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xpad, ldx, wp, bp,
+                                 op, wbuf, accbuf)
+        free(wbuf)
+        free(accbuf)
+    free(xpad)
 
 
 def silu_and_mul(const float[:, ::1] x, float[:, ::1] out, *, int n_threads):
-    cdef Py_ssize_t m, i, n = out.shape[1]
-    cdef float g
-    for m in prange(out.shape[0], nogil=True, num_threads=n_threads, schedule="static"):
-        for i in range(n):  # silu(gate) * up
-            g = x[m, i]
-            out[m, i] = g / (1.0 + expf(-g)) * x[m, n + i]
+    """out (M, I) = silu(x[:, :I]) * x[:, I:]."""
+    cdef Py_ssize_t m, n = out.shape[1]
+    cdef int nt = _threads(out.shape[0] * n, PARALLEL_ELEMS, n_threads)
+    if n == 0:
+        return
+    for m in prange(out.shape[0], nogil=True, num_threads=nt, schedule="static"):
+        dk_silu_mul_row(&x[m, 0], &x[m, n], &out[m, 0], n)
+
+
+def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, *, int n_threads, float eps,
+             float offset=0.0):
+    """out (M, H) = x * rsqrt(mean(x^2) + eps) * (offset + w)."""
+    cdef Py_ssize_t m, h = x.shape[1]
+    cdef int nt = _threads(x.shape[0] * h, PARALLEL_ELEMS, n_threads)
+    for m in prange(x.shape[0], nogil=True, num_threads=nt, schedule="static"):
+        dk_rms_norm_row(&x[m, 0], NULL, &w[0], offset, eps, h, &out[m, 0], NULL)
+
+
+def rms_norm_residual(const float[:, ::1] x, const float[:, ::1] residual, const float[::1] w,
+                      float[:, ::1] out, float[:, ::1] new_residual, *, int n_threads, float eps,
+                      float offset=0.0):
+    """new_residual = x + residual; out = rms_norm(new_residual)."""
+    cdef Py_ssize_t m, h = x.shape[1]
+    cdef int nt = _threads(x.shape[0] * h, PARALLEL_ELEMS, n_threads)
+    for m in prange(x.shape[0], nogil=True, num_threads=nt, schedule="static"):
+        dk_rms_norm_row(&x[m, 0], &residual[m, 0], &w[0], offset, eps, h, &out[m, 0], &new_residual[m, 0])
+
+
+def apply_rope(const float[:, :, ::1] x, const long long[::1] positions, float[:, :, ::1] out, *,
+               int n_threads, double theta, int rotary_dim):
+    """out (T, H, D) = NeoX rotate-half RoPE of x over the first rotary_dim dims (out may be x)."""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = x.shape[2], half = rotary_dim // 2
+    cdef Py_ssize_t t, j, r
+    cdef double angle
+    cdef float *table = <float *> malloc(2 * T * half * sizeof(float))  # (T, 2, half): cos | sin
+    cdef double *inv_freq = <double *> malloc(half * sizeof(double))
+    cdef int nt = _threads(T * H * D, PARALLEL_ELEMS, n_threads)
+    if table == NULL or inv_freq == NULL:
+        free(table)
+        free(inv_freq)
+        raise MemoryError()
+    try:
+        with nogil:
+            for j in range(half):
+                inv_freq[j] = pow(theta, -2.0 * j / rotary_dim)
+            # Angles in float64: pos * inv_freq reaches ~2.6e5 rad, where fp32 would be off by ~1e-2.
+            for t in range(T):
+                for j in range(half):
+                    angle = positions[t] * inv_freq[j]
+                    table[(2 * t) * half + j] = <float> cos(angle)
+                    table[(2 * t + 1) * half + j] = <float> sin(angle)
+        for r in prange(T * H, nogil=True, num_threads=nt, schedule="static"):
+            t = r // H
+            dk_rope_row(&x[t, r % H, 0], &table[2 * t * half], &table[(2 * t + 1) * half], half, D,
+                        &out[t, r % H, 0])
+    finally:
+        free(table)
+        free(inv_freq)

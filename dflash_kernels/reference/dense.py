@@ -1,8 +1,43 @@
 """Reference dense ops (torch), computed in the dtype of the inputs (float64 in tests)."""
 
+from __future__ import annotations
+
 import torch
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)  # (M, I) each
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # (M, K) @ (N, K)^T + (N,) -> (M, N)
+    return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * (offset + w), over the last axis (H)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.to(x.dtype))
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, *, eps: float,
+                      offset: float = 0.0):
+    """(rms_norm(x + residual), x + residual): the pre-norm residual add fused with the norm."""
+    h = x + residual
+    return rms_norm(h, w, eps=eps, offset=offset), h
+
+
+def rope_cos_sin(positions: torch.Tensor, theta: float, rotary_dim: int):
+    """cos, sin of pos * theta^(-2j/rotary_dim), j < rotary_dim/2, in float64: (T, rotary_dim/2) each."""
+    j = torch.arange(rotary_dim // 2, dtype=torch.float64)
+    inv_freq = float(theta) ** (-2.0 * j / rotary_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, *, theta: float, rotary_dim: int) -> torch.Tensor:
+    """NeoX rotate-half RoPE over the first rotary_dim dims of x (T, H, D); the rest passes through."""
+    half = rotary_dim // 2
+    cos, sin = (c.to(x.dtype)[:, None, :] for c in rope_cos_sin(positions, theta, rotary_dim))  # (T, 1, half)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)

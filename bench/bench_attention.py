@@ -1,0 +1,83 @@
+"""Attention vs torch SDPA at the Qwen3-8B / DFlash drafter shape (32/8 heads x 128).
+
+Peer: torch.nn.functional.scaled_dot_product_attention on the [1, H, L, D] layout with
+enable_gqa=True; cached verification gets an explicit bottom-right boolean mask (SDPA's is_causal
+aligns top-left). Smoke runs (without --benchmark-enable) use only the smallest context.
+"""
+
+import pytest
+import torch
+
+import dflash_kernels as dk
+from benchsupport import THREADS, record
+from shapes import BLOCK, CONTEXTS, DFLASH_QWEN3_8B as M
+
+
+@pytest.fixture(scope="module")
+def enabled(request):
+    """True when timing (--benchmark-enable), False in the one-shot smoke run."""
+    opt = request.config.getoption
+    return bool(opt("benchmark_enable", default=False)) or not opt("benchmark_disable", default=False)
+
+
+def _kv(t_kv, dtype):
+    g = torch.Generator().manual_seed(t_kv)
+    k = torch.randn(t_kv, M.kv_heads, M.head_dim, generator=g).to(dtype)
+    v = torch.randn(t_kv, M.kv_heads, M.head_dim, generator=g).to(dtype)
+    return k, v
+
+
+def _sdpa(q, k, v, mask=None):
+    """q (T_q, H_q, D), k/v (T_kv, H_kv, D) -> (T_q, H_q, D) through SDPA's [1, H, L, D] layout."""
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # views, like a real caller
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _flops(t_q, t_kv):
+    return 4.0 * t_q * t_kv * M.heads * M.head_dim
+
+
+def _maybe_skip(enabled, t_kv):
+    if not enabled and t_kv != CONTEXTS[0]:
+        pytest.skip("smoke run: smallest context only")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("t_ctx", CONTEXTS)
+def test_injected_kv_attention(benchmark, contender, enabled, t_ctx, dtype):
+    """Drafter layer: 16 block queries over [context | block], no mask."""
+    _maybe_skip(enabled, t_ctx)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(BLOCK, M.heads, M.head_dim)
+    kc, vc = _kv(t_ctx, tdt)
+    kb, vb = _kv(BLOCK, tdt)
+    if contender == "torch-peer":
+        k, v = torch.cat([kc, kb]), torch.cat([vc, vb])  # SDPA needs one tensor
+        qp = q.to(tdt)
+        fn = lambda: _sdpa(qp, k, v)
+    else:
+        fn = lambda: dk.injected_kv_attention(q, kc, vc, kb, vb, backend=contender, n_threads=THREADS)
+    fn()  # warm-up (JIT)
+    benchmark(fn)
+    record(benchmark, flops=_flops(BLOCK, t_ctx + BLOCK), shape=f"{M.name} q{BLOCK} ctx{t_ctx} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("t_q,t_kv", [(BLOCK, c) for c in CONTEXTS] + [(1, 4096)])
+def test_cached_attention(benchmark, contender, enabled, t_q, t_kv, dtype):
+    """Verification (16 queries, causal bottom-right over the cache) and decode (1 query)."""
+    _maybe_skip(enabled, t_kv if t_q > 1 else CONTEXTS[0])
+    tdt = getattr(torch, dtype)
+    q = torch.randn(t_q, M.heads, M.head_dim)
+    k, v = _kv(t_kv, tdt)
+    if contender == "torch-peer":
+        mask = torch.ones(t_q, t_kv, dtype=torch.bool).tril(t_kv - t_q)  # bottom-right causal
+        qp = q.to(tdt)
+        fn = lambda: _sdpa(qp, k, v, mask if t_q > 1 else None)
+    else:
+        fn = lambda: dk.cached_attention(q, k, v, backend=contender, n_threads=THREADS)
+    fn()
+    benchmark(fn)
+    record(benchmark, flops=_flops(t_q, t_kv), bytes_moved=2 * k.numel() * k.element_size(),
+           shape=f"{M.name} q{t_q} kv{t_kv} {dtype}")

@@ -1,0 +1,230 @@
+"""Qwen3.5 Gated DeltaNet ("linear_attention" layers) and the small gating ops of its full-attention layers.
+
+Facts: shared docs qwen.md 2.5-2.7. A Qwen3.5 linear-attention layer runs, per block of T tokens:
+
+    mixed = in_proj_qkv(x)                                  # (T, 2*H_k*d_k + H_v*d_v), channels [q | k | v]
+    y = causal_conv1d(mixed, conv1d.weight, conv_state)     # SiLU included; conv_state updated in place
+    q, k, v = split(y)                                      # (T, H_k, d_k), (T, H_k, d_k), (T, H_v, d_v)
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)      # (T, H_v) each
+    o = gated_delta_rule(q, k, v, g, beta, state)           # raw q, k: l2norm and d_k^-0.5 done inside
+    o = gated_rms_norm(o, z, norm.weight)                   # then out_proj
+
+Speculative decoding: a GDN layer's state cannot be cropped like a KV cache. Verify k+1 tokens with
+``checkpoints=True`` (the recurrent state after every token) and restore the accepted prefix a with
+``state[...] = ckpts[a]``; the conv state after n tokens is ``conv_state_at(conv_state_before, x, n)``
+(or ``checkpoints=True`` on ``causal_conv1d``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._dispatch import run
+from ._tensors import _numpy_view, any_torch, dtype_name, f32_array, float_array, wrap
+
+
+def _state_array(x, name: str, shape: tuple) -> np.ndarray:
+    """A recurrent/conv state: float32, C-contiguous and writable, updated in place (never copied)."""
+    if dtype_name(x) != "float32":
+        raise TypeError(f"{name} must be a float32 array or tensor (it is updated in place), got {dtype_name(x)}")
+    arr = _numpy_view(x, name)
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (it is updated in place)")
+    if not arr.flags.writeable:
+        raise ValueError(f"{name} must be writable (it is updated in place)")
+    return arr
+
+
+def _checkpoint_slots(checkpoints, T: int) -> np.ndarray:
+    """(T,) int64: token t's state goes to checkpoint slot[t]; -1 = not kept."""
+    slot = np.full(T, -1, np.int64)
+    if checkpoints is True:
+        slot[:] = np.arange(T)
+    elif checkpoints is False or checkpoints is None:
+        pass
+    else:
+        try:
+            idx = [int(i) for i in checkpoints]
+        except TypeError:
+            raise TypeError(f"checkpoints must be a bool or a sequence of token indices, got {checkpoints!r}") from None
+        if any(i < 0 or i >= T for i in idx):
+            raise ValueError(f"checkpoints indices must lie in [0, {T}), got {idx}")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"checkpoints indices must be distinct, got {idx}")
+        slot[idx] = np.arange(len(idx))
+    return slot
+
+
+def gated_delta_rule(q, k, v, g, beta, state, *, checkpoints=False, use_qk_l2norm=True, scale=None,
+                     chunk_size=None, n_threads=None, backend="auto"):
+    """Gated delta rule over a block of T tokens, continuing from (and updating) `state` in place.
+
+    q, k: (T, H_k, d_k) raw projections (after conv + SiLU), float32 or bf16; with
+        ``use_qk_l2norm`` (default) both are l2-normalised here (x * rsqrt(sum x^2 + 1e-6)) and q is
+        multiplied by ``scale`` (default d_k**-0.5), exactly as Qwen3.5 does in fp32.
+    v: (T, H_v, d_v) float32 or bf16; H_v % H_k == 0, value head h reads key head h // (H_v // H_k).
+    g: (T, H_v) log-decay (<= 0, i.e. -exp(A_log) * softplus(a + dt_bias)); beta: (T, H_v) (sigmoid(b)).
+    state: (H_v, d_k, d_v) float32, C-contiguous, writable; on return it holds the state after token T-1.
+    Per token and value head: S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
+    checkpoints: False; True (the state after every token); or a sequence of distinct token indices.
+    chunk_size: 0 = the token-by-token recurrence; n > 0 = the chunked (WY) form in chunks of n (not
+        combinable with checkpoints); None = the faster form per backend: torch runs chunks of 64 for
+        T > 64, the compiled kernels always run the recurrence (one pass per token over L1-resident
+        (d_k, 16) state blocks measured 1.6-3x faster than their chunked form at T = 512, see
+        bench/bench_linear_attention.py). Both forms agree to float32 rounding.
+    Returns o (T, H_v, d_v) float32, and with checkpoints also (n_kept, H_v, d_k, d_v) float32 states
+    (``state[...] = ckpts[a]`` restores the state after token a). NaN/inf propagate unchecked.
+    """
+    qa = f32_array(q, "q", ndim=3)
+    ka = f32_array(k, "k", ndim=3)
+    va = f32_array(v, "v", ndim=3)
+    ga = f32_array(g, "g", ndim=2)
+    ba = f32_array(beta, "beta", ndim=2)
+    T, Hk, dk = qa.shape
+    _, Hv, dv = va.shape
+    if ka.shape != qa.shape:
+        raise ValueError(f"k must have the shape of q {qa.shape}, got {ka.shape}")
+    if va.shape[0] != T:
+        raise ValueError(f"v must have T={T} rows like q, got shape {va.shape}")
+    if Hk == 0 or Hv % Hk:
+        raise ValueError(f"value heads of v ({Hv}) must be a multiple of the key heads of q ({Hk})")
+    if min(dk, dv, Hv) == 0:
+        raise ValueError(f"head dims and heads must be positive, got q {qa.shape}, v {va.shape}")
+    for name, arr in (("g", ga), ("beta", ba)):
+        if arr.shape != (T, Hv):
+            raise ValueError(f"{name} must have shape (T, H_v) = {(T, Hv)}, got {arr.shape}")
+    st = _state_array(state, "state", (Hv, dk, dv))
+    slot = _checkpoint_slots(checkpoints, T)
+    n_keep = int((slot >= 0).sum())
+    if chunk_size is None:
+        chunk_size = -1  # the backend's choice (see the docstring)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+        raise ValueError(f"chunk_size must be None or an int >= 0, got {chunk_size!r}")
+    elif chunk_size > 0 and checkpoints is not False and checkpoints is not None:
+        raise ValueError("chunk_size > 0 (chunked form) cannot produce per-token checkpoints; use chunk_size=0")
+    scale = dk**-0.5 if scale is None else float(scale)
+    o = np.empty((T, Hv, dv), np.float32)
+    ckpts = np.empty((n_keep, Hv, dk, dv), np.float32)
+    run("linear_attention", "gated_delta_rule", (qa, ka, va, ga, ba, st, slot), (o, st, ckpts),
+        backend=backend, n_threads=n_threads, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+        chunk_size=int(chunk_size))
+    torch_out = any_torch(q, k, v, state)
+    if checkpoints is False or checkpoints is None:
+        return wrap(o, torch_out)
+    return wrap(o, torch_out), wrap(ckpts, torch_out)
+
+
+def _conv_weight(weight) -> np.ndarray:
+    w = f32_array(weight, "weight")
+    if w.ndim == 3 and w.shape[1] == 1:  # nn.Conv1d depthwise layout (C, 1, K)
+        w = w.reshape(w.shape[0], w.shape[2])
+    if w.ndim != 2 or w.shape[1] == 0:
+        raise ValueError(f"weight must have shape (C, K) or (C, 1, K) with K >= 1, got {tuple(w.shape)}")
+    return w
+
+
+def causal_conv1d(x, weight, conv_state, *, activation="silu", checkpoints=False, n_threads=None, backend="auto"):
+    """Depthwise causal conv over time (Qwen3.5 GDN short conv), continuing from `conv_state`.
+
+    x: (T, C) float32 or bf16, channels in the checkpoint's order ([q | k | v] for Qwen3.5).
+    weight: (C, K) or (C, 1, K) (nn.Conv1d depthwise), oldest tap first, float32 or bf16.
+    conv_state: (C, K-1) float32, writable, C-contiguous: the last K-1 inputs before x, oldest first
+        (zeros at the start of a sequence); updated in place to the last K-1 inputs including x.
+    y[t, c] = act(sum_j weight[c, j] * xpad[t + j, c]) with xpad = [conv_state^T ; x], act = SiLU or
+    None (activation=None). Returns y (T, C) float32, and with checkpoints=True also the conv states
+    after every token (T, C, K-1) float32 (the compact alternative: ``conv_state_at``).
+    """
+    xa = f32_array(x, "x", ndim=2)
+    w = _conv_weight(weight)
+    T, C = xa.shape
+    if w.shape[0] != C:
+        raise ValueError(f"weight must have C={C} channels like x, got {w.shape[0]}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    K = w.shape[1]
+    st = _state_array(conv_state, "conv_state", (C, K - 1))
+    if not isinstance(checkpoints, bool):
+        raise TypeError(f"checkpoints must be a bool, got {checkpoints!r}")
+    y = np.empty((T, C), np.float32)
+    ckpts = np.empty((T if checkpoints else 0, C, K - 1), np.float32)
+    run("linear_attention", "causal_conv1d", (xa, w, st), (y, st, ckpts), backend=backend,
+        n_threads=n_threads, activation=activation, checkpoints=checkpoints)
+    torch_out = any_torch(x, conv_state)
+    return (wrap(y, torch_out), wrap(ckpts, torch_out)) if checkpoints else wrap(y, torch_out)
+
+
+def conv_state_at(conv_state_before, x, n: int):
+    """The conv state after the first n tokens of x: rows n .. n+K-2 of [conv_state_before^T ; x].
+
+    conv_state_before: (C, K-1), the state before x was fed; x: (T, C) the inputs fed; 0 <= n <= T.
+    Returns a new (C, K-1) float32 array (torch tensor if either input is one). Use it to restore
+    the conv state of the accepted prefix after verification without keeping per-token states.
+    """
+    sa = f32_array(conv_state_before, "conv_state_before", ndim=2)
+    xa = f32_array(x, "x", ndim=2)
+    if xa.shape[1] != sa.shape[0]:
+        raise ValueError(f"x must have C={sa.shape[0]} channels like conv_state_before, got {xa.shape[1]}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= xa.shape[0]:
+        raise ValueError(f"n must be an int in [0, {xa.shape[0]}], got {n!r}")
+    km1 = sa.shape[1]
+    xpad = np.concatenate([sa.T, xa], axis=0)  # (K-1+T, C)
+    out = np.ascontiguousarray(xpad[n : n + km1].T, dtype=np.float32)
+    return wrap(out, any_torch(conv_state_before, x))
+
+
+def gated_rms_norm(x, z, weight, eps=1e-6, *, n_threads=None, backend="auto"):
+    """Qwen3.5 RMSNormGated (linear_attn.norm): weight * x * rsqrt(mean(x^2) + eps) * silu(z), fp32.
+
+    x, z: (..., D) float32 or bf16 (same shape; D = d_v, one norm per head); weight: (D,), ones-centred
+    (NOT the zero-centred 1 + w of the other Qwen3.5 norms). Returns float32 of x's shape.
+    """
+    xa = f32_array(x, "x")
+    za = f32_array(z, "z")
+    wa = f32_array(weight, "weight", ndim=1)
+    if xa.ndim == 0 or xa.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last axis, got shape {xa.shape}")
+    if za.shape != xa.shape:
+        raise ValueError(f"z must have the shape of x {xa.shape}, got {za.shape}")
+    if wa.shape != (xa.shape[-1],):
+        raise ValueError(f"weight must have shape ({xa.shape[-1]},), got {wa.shape}")
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    x2, z2 = xa.reshape(-1, xa.shape[-1]), za.reshape(-1, xa.shape[-1])
+    out = np.empty(x2.shape, np.float32)
+    run("linear_attention", "gated_rms_norm", (x2, z2, wa), out, backend=backend, n_threads=n_threads, eps=float(eps))
+    return wrap(out.reshape(xa.shape), any_torch(x, z))
+
+
+def split_query_gate(qg, n_heads: int, head_dim: int):
+    """Split a Qwen3.5 gated-attention q_proj output, laid out per head as [query_h | gate_h].
+
+    qg: (T, n_heads * 2 * head_dim) float32 or bf16. Returns (query (T, n_heads, head_dim),
+    gate (T, n_heads * head_dim)), C-contiguous copies in qg's dtype (data movement only).
+    """
+    arr = float_array(qg, "qg", ndim=2)
+    for name, val in (("n_heads", n_heads), ("head_dim", head_dim)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if arr.shape[1] != n_heads * 2 * head_dim:
+        raise ValueError(f"qg must have n_heads * 2 * head_dim = {n_heads * 2 * head_dim} columns, got {arr.shape[1]}")
+    per_head = arr.reshape(arr.shape[0], n_heads, 2 * head_dim)  # (T, H, 2D)
+    query = np.ascontiguousarray(per_head[..., :head_dim])
+    gate = np.ascontiguousarray(per_head[..., head_dim:]).reshape(arr.shape[0], n_heads * head_dim)
+    return wrap(query, any_torch(qg)), wrap(gate, any_torch(qg))
+
+
+def apply_output_gate(o, gate, *, n_threads=None, backend="auto"):
+    """Gated attention output o * sigmoid(gate), before o_proj.
+
+    o: (T, H, D) or (T, H*D); gate: (T, H*D); float32 or bf16. Returns (T, H*D) float32.
+    """
+    oa = f32_array(o, "o")
+    ga = f32_array(gate, "gate", ndim=2)
+    if oa.ndim not in (2, 3) or oa.shape[0] != ga.shape[0] or int(np.prod(oa.shape[1:])) != ga.shape[1]:
+        raise ValueError(f"o must have shape (T, H, D) or (T, H*D) matching gate {ga.shape}, got {oa.shape}")
+    o2 = oa.reshape(ga.shape)
+    out = np.empty(ga.shape, np.float32)
+    run("linear_attention", "apply_output_gate", (o2, ga), out, backend=backend, n_threads=n_threads)
+    return wrap(out, any_torch(o, gate))

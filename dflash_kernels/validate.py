@@ -1,0 +1,137 @@
+"""Kernel validation on this hardware: every compiled backend against the torch reference.
+
+`dflash validate` (and `python -m dflash_kernels.validate`) runs each op on randomized inputs at
+realistic and odd shapes, with float32 and bf16 storage, and prints a pass/fail table. Floats are
+compared with a relative tolerance against the reference backend; token ids and accept counts exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ._backends import available_backends
+from ._tensors import f32_to_bf16
+
+
+@dataclass
+class Check:
+    name: str
+    run: Callable[[str], object]  # backend -> result (array or tuple of arrays)
+    exact: bool = False
+    rtol: float = 2e-4
+
+
+def _store(x: np.ndarray, dtype: str) -> np.ndarray:
+    return f32_to_bf16(x) if dtype == "bfloat16" else x
+
+
+def _checks(seed: int) -> list[Check]:
+    import dflash_kernels as dk
+
+    rng = np.random.default_rng(seed)
+    f = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
+    checks: list[Check] = []
+    for dt in ("float32", "bfloat16"):
+        # attention: drafter shape (GQA 4:1, d 128) and an odd one
+        for t_q, t_ctx, hq, hkv, d in ((16, 1000, 32, 8, 128), (5, 0, 6, 2, 64), (3, 77, 8, 1, 256)):
+            q = f(t_q, hq, d)
+            kc, vc = _store(f(t_ctx, hkv, d), dt), _store(f(t_ctx, hkv, d), dt)
+            kb, vb = _store(f(t_q, hkv, d), dt), _store(f(t_q, hkv, d), dt)
+            checks.append(Check(f"injected_kv_attention {dt} q{t_q} ctx{t_ctx} {hq}/{hkv}x{d}",
+                                lambda b, a=(q, kc, vc, kb, vb): dk.injected_kv_attention(*a, backend=b)))
+            checks.append(Check(f"injected_kv_attention causal+window {dt} q{t_q} ctx{t_ctx}",
+                                lambda b, a=(q, kc, vc, kb, vb): dk.injected_kv_attention(
+                                    *a, causal_block=True, window=64, backend=b)))
+        for t_q, t_kv in ((1, 4096), (16, 2000), (40, 40)):
+            q = f(t_q, 32, 128)
+            kv = (_store(f(t_kv, 8, 128), dt), _store(f(t_kv, 8, 128), dt))
+            checks.append(Check(f"cached_attention {dt} q{t_q} kv{t_kv}",
+                                lambda b, a=(q, *kv): dk.cached_attention(*a, backend=b)))
+        # dense
+        for m, n, k in ((1, 4096, 1024), (16, 1000, 1024), (7, 33, 130)):
+            x, w = f(m, k), _store(f(n, k, s=0.05), dt)
+            checks.append(Check(f"linear {dt} {m}x{k}->{n}", lambda b, a=(x, w): dk.linear(*a, backend=b)))
+        x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
+        checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
+        gu = _store(f(16, 2 * 3072), dt)
+        checks.append(Check(f"silu_and_mul {dt} 16x3072", lambda b, a=gu: dk.silu_and_mul(a, backend=b)))
+        # denoise (exact token ids)
+        h, lm = f(16, 256), _store(f(5000, 256), dt)
+        checks.append(Check(f"denoise_block greedy {dt} 16x256 V5000",
+                            lambda b, a=(h, lm): dk.denoise_block(*a, backend=b), exact=True))
+        checks.append(Check(f"denoise_block T=0.7 {dt} 16x256 V5000",
+                            lambda b, a=(h, lm): dk.denoise_block(*a, temperature=0.7, generator=seed, backend=b),
+                            exact=True))
+    pos = np.arange(100, 116)
+    xr = f(16, 32, 128)
+    checks.append(Check("apply_rope 16x32x128 theta 1e6", lambda b: dk.apply_rope(xr, pos, 1e6, backend=b)))
+    checks.append(Check("apply_rope partial 64/256 theta 1e7",
+                        lambda b, x=f(16, 4, 256): dk.apply_rope(x, pos, 1e7, rotary_dim=64, backend=b)))
+    # acceptance (exact)
+    v, k = 2000, 15
+    drafts = rng.integers(0, v, (4, k))
+    target = drafts.copy()
+    target[1, 3] = (target[1, 3] + 1) % v
+    target = np.concatenate([target, rng.integers(0, v, (4, 1))], axis=1)
+    checks.append(Check("accept_greedy B4 k15", lambda b: dk.accept_greedy(drafts, target, backend=b), exact=True))
+    logits = f(2, k + 1, v, s=3.0)
+    drafts2 = logits[:, :k].argmax(-1)
+    for temp, top_k, top_p in ((1.0, 0, 1.0), (0.7, 50, 0.9)):
+        checks.append(Check(f"rejection_sample T={temp} top_k={top_k} top_p={top_p}",
+                            lambda b, t=temp, tk=top_k, tp=top_p: dk.rejection_sample(
+                                drafts2, logits, temperature=t, top_k=tk, top_p=tp, generator=seed, backend=b),
+                            exact=True))
+    return checks
+
+
+def _compare(got, ref, check: Check) -> tuple[bool, str]:
+    got_t = got if isinstance(got, tuple) else (got,)
+    ref_t = ref if isinstance(ref, tuple) else (ref,)
+    worst = 0.0
+    for g, r in zip(got_t, ref_t):
+        g = g.numpy() if hasattr(g, "numpy") else np.asarray(g)
+        r = r.numpy() if hasattr(r, "numpy") else np.asarray(r)
+        if g.shape != r.shape:
+            return False, f"shape {g.shape} != {r.shape}"
+        if check.exact:
+            if not np.array_equal(g, r):
+                return False, f"{int(np.sum(g != r))} mismatches"
+            continue
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        err = np.abs(g - r) / (np.abs(r) + 1e-3)
+        worst = max(worst, float(err.max()) if err.size else 0.0)
+    if check.exact:
+        return True, "exact"
+    return worst <= check.rtol, f"max rel err {worst:.2e}"
+
+
+def validate(seed: int = 0, file=sys.stdout) -> bool:
+    """Run every check on every compiled backend; print a table; return True when all pass."""
+    backends = [b for b in available_backends() if b != "torch"]
+    rows, ok_all = [], True
+    for check in _checks(seed):
+        ref = check.run("torch")
+        for b in backends:
+            t0 = time.perf_counter()
+            try:
+                ok, detail = _compare(check.run(b), ref, check)
+            except Exception as err:  # a crash is a failure to report, not to hide
+                ok, detail = False, f"error: {type(err).__name__}: {err}"
+            rows.append((check.name, b, "PASS" if ok else "FAIL", detail, time.perf_counter() - t0))
+            ok_all &= ok
+    width = max(len(r[0]) for r in rows)
+    print(f"{'check':{width}s}  backend  result  detail", file=file)
+    for name, b, res, detail, _ in rows:
+        print(f"{name:{width}s}  {b:7s}  {res:6s}  {detail}", file=file)
+    n_fail = sum(r[2] == "FAIL" for r in rows)
+    print(f"{len(rows) - n_fail} passed, {n_fail} failed", file=file)
+    return ok_all
+
+
+if __name__ == "__main__":
+    sys.exit(0 if validate() else 1)

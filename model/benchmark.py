@@ -1,0 +1,196 @@
+"""End-to-end benchmarks of the engine: autoregressive vs DFlash (`dflash bench`) and the k sweep
+(`dflash tune`). AR and DFlash run prompt by prompt, side by side, through the same engine and kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .metrics import aggregate
+
+
+def load_prompts(prompts_file=None, n_prompts: int = 8) -> list[str]:
+    """Prompts from a file (JSON list of strings, or one prompt per line) or the held-out stdlib modules."""
+    if prompts_file is None:
+        from .corpus import eval_prompts
+
+        return eval_prompts(n_prompts)
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"{path}: a JSON prompts file must hold a list of strings")
+    except json.JSONDecodeError:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts[:n_prompts] if n_prompts else prompts
+
+
+def _run(eng, prompts, max_new_tokens, temperature, k, seed):
+    results = [eng.generate(p, max_new_tokens, temperature=temperature, seed=seed + i,
+                            num_speculative_tokens=k, ignore_eos=True) for i, p in enumerate(prompts)]
+    return results
+
+
+def _row(mode, temperature, k, metrics) -> dict:
+    s = metrics.summary()
+    return {"mode": mode, "temperature": temperature, "num_speculative_tokens": k, **s}
+
+
+def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temperatures=(0.0, 0.7),
+              num_speculative_tokens=None, out_dir=None, seed=0, sweep_ks=(1, 2, 4, 8, 12, 15)) -> dict:
+    """AR vs DFlash per temperature (+ a greedy throughput-vs-k sweep); returns rows and markdown."""
+    if eng.drafter is None:
+        raise ValueError("dflash bench compares autoregressive with DFlash: load a drafter")
+    prompts = load_prompts(prompts_file, n_prompts)
+    k = eng.default_num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+    eng.generate(prompts[0], 8, num_speculative_tokens=k)  # warm-up: JIT caches, buffers
+    rows, lossless = [], {}
+    for temp in temperatures:
+        ar, sd = [], []
+        for i, p in enumerate(tqdm(prompts, desc=f"bench T={temp}", leave=False)):
+            ar += _run(eng, [p], max_new_tokens, temp, 0, seed + i)
+            sd += _run(eng, [p], max_new_tokens, temp, k, seed + i)
+        if temp == 0.0:
+            lossless[temp] = all(a.token_ids == s.token_ids for a, s in zip(ar, sd))
+        m_ar, m_sd = aggregate(r.metrics for r in ar), aggregate(r.metrics for r in sd)
+        rows.append(_row("autoregressive", temp, 0, m_ar))
+        rows.append(_row("dflash", temp, k, m_sd))
+        rows[-1]["speedup"] = m_sd.tokens_per_second / m_ar.tokens_per_second
+    sweep = []
+    if sweep_ks:
+        sub = prompts[: max(1, len(prompts) // 2)]
+        for kk in tqdm([x for x in sweep_ks if x <= eng.default_num_speculative_tokens], desc="k sweep", leave=False):
+            m = aggregate(r.metrics for r in _run(eng, sub, max_new_tokens, 0.0, kk, seed))
+            sweep.append({"k": kk, "tokens_per_second": m.tokens_per_second, "tau": m.tau,
+                          "acceptance_rate": m.acceptance_rate})
+    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows, "greedy_identical": lossless,
+              "k_sweep": sweep, "threads": getattr(eng.ops, "n_threads", None)}
+    report["markdown"] = bench_markdown(report)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps({k: v for k, v in report.items() if k != "markdown"}, indent=2,
+                                                   default=float) + "\n")
+        (out / "bench.md").write_text(report["markdown"] + "\n")
+        plot_bench(report, out)
+    return report
+
+
+def bench_markdown(report: dict) -> str:
+    lines = ["| mode | T | k | tokens/s | speedup | tau | acceptance | overhead/round |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else "1.00x"
+        tau = f"{r['tau']:.2f}" if r["mode"] == "dflash" else "1"
+        acc = f"{r['acceptance_rate']:.1%}" if r["mode"] == "dflash" else "-"
+        lines.append(f"| {r['mode']} | {r['temperature']} | {r['num_speculative_tokens']} | "
+                     f"{r['tokens_per_second']:.1f} | {sp} | {tau} | {acc} | {r['overhead_per_round_us']:.0f} us |")
+    for temp, same in report["greedy_identical"].items():
+        lines.append(f"\ngreedy DFlash output identical to autoregressive: {same}")
+    if report["k_sweep"]:
+        lines += ["", "| k | tokens/s | tau | acceptance |", "|---|---|---|---|"]
+        lines += [f"| {s['k']} | {s['tokens_per_second']:.1f} | {s['tau']:.2f} | {s['acceptance_rate']:.1%} |"
+                  for s in report["k_sweep"]]
+    return "\n".join(lines)
+
+
+def plot_bench(report: dict, out: Path) -> list[Path]:
+    """tau histogram, per-position acceptance, throughput vs k (PNG); skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    dflash_rows = [r for r in report["rows"] if r["mode"] == "dflash"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in dflash_rows:
+        hist = {int(k): v for k, v in r["tau_histogram"].items()}
+        xs = np.arange(1, max(hist) + 1)
+        ax.bar(xs + (0.4 if r["temperature"] else 0.0), [hist.get(x, 0) for x in xs], width=0.4,
+               label=f"T={r['temperature']} (tau {r['tau']:.2f})")
+    ax.set(xlabel="tokens committed per round", ylabel="rounds", title="DFlash acceptance length")
+    ax.legend()
+    paths.append(out / "tau_histogram.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in dflash_rows:
+        ax.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o",
+                label=f"T={r['temperature']}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance", ylim=(0, 1))
+    ax.legend()
+    paths.append(out / "per_position_acceptance.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    if report["k_sweep"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = [s["k"] for s in report["k_sweep"]]
+        ax.plot(ks, [s["tokens_per_second"] for s in report["k_sweep"]], marker="o", label="DFlash")
+        ar = next(r for r in report["rows"] if r["mode"] == "autoregressive" and r["temperature"] == 0.0)
+        ax.axhline(ar["tokens_per_second"], color="gray", ls="--", label="autoregressive")
+        ax.set(xlabel="num_speculative_tokens", ylabel="tokens/s", title="throughput vs k (greedy)")
+        ax.legend()
+        paths.append(out / "throughput_vs_k.png")
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close("all")
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ tuning
+def tuned_path() -> Path:
+    base = os.environ.get("DFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_kernels")
+    return Path(base) / "tuned.json"
+
+
+def _tune_key(eng) -> str:
+    return f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={getattr(eng.ops, 'n_threads', None)}"
+
+
+def tuned_num_speculative_tokens(eng) -> int | None:
+    """The k `dflash tune` measured best for this pair and thread count on this machine, if any."""
+    try:
+        return int(json.loads(tuned_path().read_text())[_tune_key(eng)]["best_k"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True, prompts=None, seed=0) -> dict:
+    """Sweep k by measured greedy throughput (not acceptance rate, which falls with k)."""
+    if eng.drafter is None:
+        raise ValueError("dflash tune needs a drafter")
+    prompts = prompts or load_prompts(None, n_prompts)
+    ks = [k for k in ks if 1 <= k <= eng.default_num_speculative_tokens]
+    eng.generate(prompts[0], 8)  # warm-up
+    ar = aggregate(r.metrics for r in _run(eng, prompts, max_new_tokens, 0.0, 0, seed))
+    sweep = []
+    for k in tqdm(ks, desc="tune k", leave=False):
+        m = aggregate(r.metrics for r in _run(eng, prompts, max_new_tokens, 0.0, k, seed))
+        sweep.append({"k": k, "tokens_per_second": m.tokens_per_second, "tau": m.tau,
+                      "acceptance_rate": m.acceptance_rate, "speedup": m.tokens_per_second / ar.tokens_per_second})
+    best = max(sweep, key=lambda s: s["tokens_per_second"])
+    result = {"best_k": best["k"], "ar_tokens_per_second": ar.tokens_per_second, "sweep": sweep}
+    lines = ["| k | tokens/s | speedup | tau | acceptance |", "|---|---|---|---|---|"]
+    lines += [f"| {s['k']} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | "
+              f"{s['acceptance_rate']:.1%} |" for s in sweep]
+    result["markdown"] = f"autoregressive: {ar.tokens_per_second:.1f} tokens/s\n\n" + "\n".join(lines)
+    if save:
+        path = tuned_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[_tune_key(eng)] = {k: v for k, v in result.items() if k != "markdown"}
+        path.write_text(json.dumps(table, indent=2) + "\n")
+    return result

@@ -1,0 +1,223 @@
+"""The `dflash` command line: generate, bench, tune, validate, info, and the training commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target checkpoint directory (default: the shipped trained target)")
+    p.add_argument("--drafter", help="DFlash drafter directory (default: the shipped drafter with the default "
+                                     "target; none with --target unless given)")
+    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
+    p.add_argument("--backend", default="auto", help="kernel backend: auto, cython, numba, torch")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help="drafts per round (default: the tuned value if `dflash tune` ran, else block_size - 1)")
+
+
+def _load(args):
+    from .engine import load
+    from .defaults import default_model_dirs
+
+    target, drafter = args.target, args.drafter
+    if target is None:
+        target, default_drafter = default_model_dirs()
+        drafter = drafter or default_drafter
+    if args.no_drafter:
+        drafter = None
+    return load(target, drafter, n_threads=args.threads, backend=args.backend)
+
+
+def cmd_generate(args) -> int:
+    from .benchmark import tuned_num_speculative_tokens
+
+    gen = _load(args)
+    prompt = gen.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    if not args.quiet_prompt and not args.chat:
+        sys.stdout.write(args.prompt)
+    k = args.num_speculative_tokens
+    if k is None and gen.drafter is not None:
+        k = tuned_num_speculative_tokens(gen)  # None -> the engine's default, block_size - 1
+
+    def stream(new_ids, new_text):
+        sys.stdout.write(new_text or "")
+        sys.stdout.flush()
+
+    res = gen.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, num_speculative_tokens=k, stream=stream)
+    sys.stdout.write("\n")
+    m = res.metrics
+    print(f"[{m.generated_tokens} tokens, {m.tokens_per_second:.1f} tok/s, tau {m.tau:.2f}, "
+          f"acceptance {m.acceptance_rate:.1%}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .benchmark import run_bench
+
+    gen = _load(args)
+    report = run_bench(gen, prompts_file=args.prompts, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
+                       temperatures=args.temperatures, num_speculative_tokens=args.num_speculative_tokens,
+                       out_dir=args.out, seed=args.seed if args.seed is not None else 0)
+    print(report["markdown"])
+    if args.out:
+        print(f"results in {args.out}/bench.json, bench.md and plots", file=sys.stderr)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from .benchmark import run_tune
+
+    gen = _load(args)
+    result = run_tune(gen, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1),
+                      save=not args.no_save)
+    print(result["markdown"])
+    print(f"best num_speculative_tokens = {result['best_k']}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from dflash_kernels.validate import validate
+
+    return 0 if validate(seed=args.seed) else 1
+
+
+def cmd_info(args) -> int:
+    import dflash_kernels as dk
+
+    dk.show_config()
+    from .defaults import default_model_dirs
+
+    try:
+        t, d = default_model_dirs()
+        print(f"default target: {t}\ndefault drafter: {d}")
+    except FileNotFoundError as err:
+        print(f"default model: not installed ({err})")
+    for label, path in (("target", args.target), ("drafter", args.drafter)):
+        if path:
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            print(f"{label} {path}: {cfg.get('architectures')} hidden {cfg.get('hidden_size')} "
+                  f"layers {cfg.get('num_hidden_layers')} vocab {cfg.get('vocab_size')}")
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from .training import train_tokenizer
+
+    print(train_tokenizer(args.out, vocab_size=args.vocab_size))
+    return 0
+
+
+def cmd_train_target(args) -> int:
+    from .training import train_target
+
+    over = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=3 * args.hidden)
+    print(json.dumps(train_target(args.out, args.tokenizer, steps=args.steps, batch=args.batch, seq=args.seq,
+                                  lr=args.lr, threads=args.threads, config_overrides=over), indent=2))
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from .training import train_drafter
+
+    print(json.dumps(train_drafter(args.out, args.target, steps=args.steps, layers=args.layers,
+                                   block_size=args.block_size, batch=args.batch, lr=args.lr,
+                                   n_sequences=args.sequences, threads=args.threads), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding on CPU kernels")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text (streams); default model: the shipped trained pair")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
+    p.add_argument("--quiet-prompt", action="store_true", help="do not echo the prompt")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="autoregressive vs DFlash on held-out prompts: table, JSON, plots")
+    _add_model_args(p)
+    p.add_argument("--prompts", help="prompt file: JSON list of strings or one prompt per line "
+                                     "(default: held-out stdlib prompts)")
+    p.add_argument("--n-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="directory for bench.json, bench.md and PNG plots")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("tune", help="sweep num_speculative_tokens and keep the fastest")
+    _add_model_args(p)
+    p.add_argument("--n-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-k", type=int, default=15)
+    p.add_argument("--no-save", action="store_true", help="do not store the tuned k beside the drafter")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("validate", help="run every kernel against the torch reference on this machine")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("info", help="backends, ISA, threads, default model")
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("train-tokenizer", help="byte-level BPE on the stdlib sources (held-out modules excluded)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.set_defaults(func=cmd_train_tokenizer)
+
+    p = sub.add_parser("train-target", help="train a small Qwen3 target on the stdlib (resumable)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json from train-tokenizer")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_train_target)
+
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter on the target's own outputs (resumable)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--sequences", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_train_drafter)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # our errors name the culprit
+        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""DFlash block-diffusion drafter on the dk kernels (dflash.md 1-2).
+
+Context: each committed position p contributes, once, per layer ``k_norm(c Wk)`` (RoPE at p) and
+``c Wv`` with ``c = hidden_norm(fc(taps_p))``; all layers' [Wk; Wv] run as one GEMM and the results
+are appended to the drafter's own context cache. Block: ``[anchor, MASK x k]`` at positions
+start..start+k attends to the cached context plus its own transient K/V (never cached, so a
+rejection needs no drafter rollback). Embeddings and lm_head are the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._ops import Ops
+from .config import DFlashConfig
+from .weights import as_f32, check_tensors, concat_rows, storage
+
+
+def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tuple]:
+    """Every tensor a DFlashDraftModel checkpoint must hold (dflash.md 6), names without prefix."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {
+        "fc.weight": (H, len(cfg.target_layer_ids) * target_hidden),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.q_dim, H),
+            p + "self_attn.k_proj.weight": (cfg.kv_dim, H),
+            p + "self_attn.v_proj.weight": (cfg.kv_dim, H),
+            p + "self_attn.o_proj.weight": (H, cfg.q_dim),
+            p + "self_attn.q_norm.weight": (D,),
+            p + "self_attn.k_norm.weight": (D,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        })
+    return shapes
+
+
+@dataclass
+class _DraftLayer:
+    w_in: np.ndarray  # (H,) f32
+    w_qkv: np.ndarray | tuple  # (q_dim + 2 kv_dim, H) [Wq; Wk; Wv] of the block rows (tuple: unfused)
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    w_o: np.ndarray
+    w_post: np.ndarray
+    w_gate_up: np.ndarray  # (2I, H)
+    w_down: np.ndarray
+    causal: bool
+    window: int | None
+
+
+class ContextCache:
+    """Drafter context K/V per committed position: (layers, max_len, H_kv, D) float32."""
+
+    def __init__(self, n_layers: int, max_len: int, n_kv: int, head_dim: int):
+        self.k = np.zeros((n_layers, max_len, n_kv, head_dim), np.float32)
+        self.v = np.zeros((n_layers, max_len, n_kv, head_dim), np.float32)
+        self.max_len = max_len
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class DFlashDrafter:
+    """DFlashDraftModel forward; ``embed`` and ``lm_head`` are the target's (V, H) tables."""
+
+    def __init__(self, cfg: DFlashConfig, tensors: dict, embed: np.ndarray, lm_head: np.ndarray, *,
+                 origin: dict | None = None, ops: Ops | None = None, target_hidden: int | None = None,
+                 fuse: bool = True, where: str = "drafter"):
+        target_hidden = target_hidden or cfg.hidden_size
+        check_tensors(tensors, origin or {}, dflash_tensor_shapes(cfg, target_hidden), where)
+        if embed.shape[1] != cfg.hidden_size:
+            raise ValueError(f"{where}: hidden_size {cfg.hidden_size} != target embedding width {embed.shape[1]}")
+        if not 0 <= cfg.mask_token_id < embed.shape[0]:
+            raise ValueError(f"{where}: mask_token_id {cfg.mask_token_id} outside the target embedding "
+                             f"(0..{embed.shape[0] - 1})")
+        self.cfg, self.ops, self.eps = cfg, ops or Ops(), cfg.rms_norm_eps
+        self.embed, self.lm_head = embed, lm_head
+        t = {k: storage(v) for k, v in tensors.items()}
+        self.fc = t["fc.weight"]
+        self.hidden_norm = as_f32(t["hidden_norm.weight"])
+        self.norm = as_f32(t["norm.weight"])
+        self.mask_embedding = as_f32(embed[cfg.mask_token_id : cfg.mask_token_id + 1])  # (1, H), row as stored
+        self.layers = []
+        kv_rows = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            wk, wv = t[a + "k_proj.weight"], t[a + "v_proj.weight"]
+            kv_rows += [wk, wv]
+            self.layers.append(_DraftLayer(
+                w_in=as_f32(t[p + "input_layernorm.weight"]),
+                w_qkv=concat_rows(t[a + "q_proj.weight"], wk, wv, fuse=fuse),
+                q_norm=as_f32(t[a + "q_norm.weight"]),
+                k_norm=as_f32(t[a + "k_norm.weight"]),
+                w_o=t[a + "o_proj.weight"],
+                w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
+                w_gate_up=concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse),
+                w_down=t[m + "down_proj.weight"],
+                causal=cfg.causal[i],
+                window=cfg.window(i),
+            ))
+        # Context rows are never queried: one GEMM gives every layer's K and V.
+        self.w_kv_all = concat_rows(*kv_rows)  # (layers * 2 kv_dim, H) [Wk_0; Wv_0; Wk_1; ...]
+
+    def new_cache(self, max_len: int) -> ContextCache:
+        c = self.cfg
+        return ContextCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim)
+
+    def add_context(self, taps: np.ndarray, cache: ContextCache) -> None:
+        """Append context K/V for committed positions cache.length.. from target taps (S, n_taps * H_t)."""
+        ops, c, eps = self.ops, self.cfg, self.eps
+        S = taps.shape[0]
+        if S == 0:
+            return
+        start = cache.length
+        if start + S > cache.max_len:
+            raise ValueError(f"drafter context overflow: {start} + {S} > max_len {cache.max_len}")
+        pos = np.arange(start, start + S, dtype=np.int64)
+        ctx = ops.rms_norm(ops.linear(taps, self.fc), self.hidden_norm, eps)  # (S, H)
+        kv = ops.linear(ctx, self.w_kv_all)  # (S, layers * 2 kv_dim)
+        Hkv, D, kvd = c.num_key_value_heads, c.head_dim, c.kv_dim
+        for li, L in enumerate(self.layers):
+            off = 2 * kvd * li
+            k = ops.rms_norm(kv[:, off : off + kvd].reshape(S * Hkv, D), L.k_norm, eps).reshape(S, Hkv, D)
+            cache.k[li, start : start + S] = ops.rope(k, pos, c.rope_theta)
+            cache.v[li, start : start + S] = kv[:, off + kvd : off + 2 * kvd].reshape(S, Hkv, D)
+        cache.length = start + S
+
+    def block_hidden(self, anchor: int, n_draft: int, cache: ContextCache) -> np.ndarray:
+        """Final-normed hidden (n_draft + 1, H) of the block [anchor, MASK x n_draft] at positions
+        cache.length .. cache.length + n_draft (the anchor sits right after the committed context)."""
+        ops, c, eps = self.ops, self.cfg, self.eps
+        B = n_draft + 1
+        start = cache.length
+        pos = np.arange(start, start + B, dtype=np.int64)
+        Hq, Hkv, D, qd, kvd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.q_dim, c.kv_dim
+        x = np.empty((B, c.hidden_size), np.float32)  # (B, H) block residual stream
+        x[0] = as_f32(self.embed[anchor])
+        x[1:] = self.mask_embedding
+        delta = None  # (B, H) MLP output not yet added to x
+        for li, L in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, L.w_in, eps)
+            else:  # the previous layer's MLP residual add, fused into this norm
+                h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
+            qkv = ops.linear(h, L.w_qkv)  # (B, qd + 2 kvd)
+            q = ops.rms_norm(qkv[:, :qd].reshape(B * Hq, D), L.q_norm, eps).reshape(B, Hq, D)
+            k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(B * Hkv, D), L.k_norm, eps).reshape(B, Hkv, D)
+            v = qkv[:, qd + kvd :].reshape(B, Hkv, D)
+            q = ops.rope(q, pos, c.rope_theta)
+            k = ops.rope(k, pos, c.rope_theta)
+            o = ops.injected_attention(q, cache.k[li, :start], cache.v[li, :start], k, v, L.causal, L.window)
+            h, x = ops.add_rms_norm(ops.linear(o.reshape(B, qd), L.w_o), x, L.w_post, eps)
+            delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
+        return ops.add_rms_norm(delta, x, self.norm, eps)[0]
+
+    def draft(self, anchor: int, n_draft: int, cache: ContextCache) -> np.ndarray:
+        """n_draft greedy draft tokens (argmax of rows 1..n_draft through the target's lm_head)."""
+        h = self.block_hidden(anchor, n_draft, cache)
+        return self.ops.argmax_tokens(h[1:], self.lm_head)

@@ -1,0 +1,370 @@
+"""Speculative decoding engine: DFlash drafter + Qwen3 target, or plain autoregressive decoding.
+
+    engine = dflash_kernels.model.load("Qwen3-8B", "Qwen3-8B-DFlash-b16")
+    res = engine.generate("Hello", max_new_tokens=64)          # greedy, k = block_size - 1
+    res.token_ids, res.text, res.metrics.tau
+
+The loop is dflash.md section 3 for a batch of one; both the AR and the speculative paths go
+through the same kernels and the same target-choice rule, so greedy outputs are identical and
+sampled outputs have the same distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from ._ops import Ops
+from .config import load_dflash_config, load_qwen3_config
+from .drafter import DFlashDrafter
+from .metrics import Metrics, aggregate
+from .qwen3 import Qwen3Model
+from .tokenizer import Tokenizer, render_chat, stop_token_ids
+from .weights import read_checkpoint
+
+_EMPTY_DRAFTS = np.zeros((1, 0), np.int64)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list  # generated ids (a stop token that ended generation is included)
+    text: str | None  # decoded generated text without the final stop token (None without tokenizer)
+    finish_reason: str  # "stop" (stop token / string), "length" (max_new_tokens), "max_len" (cache full)
+    metrics: Metrics
+    prompt_ids: list
+
+
+class Engine:
+    """A loaded target (+ optional drafter); ``generate`` runs one sequence at a time (the KV caches
+    are preallocated once and reused, so one Engine must not be used from two threads at once)."""
+
+    def __init__(self, target: Qwen3Model, drafter: DFlashDrafter | None, tokenizer: Tokenizer | None,
+                 stop_ids, *, ops: Ops, max_len: int, kv_dtype: str = "float32"):
+        self.target, self.drafter, self.tokenizer, self.ops = target, drafter, tokenizer, ops
+        self.stop_ids = tuple(int(i) for i in stop_ids)
+        self.max_len, self.kv_dtype = max_len, kv_dtype
+        self.history: list[Metrics] = []  # every call's metrics, for aggregate_metrics()
+        self.target_dir = self.drafter_dir = None  # set by load()
+        self._cache = None
+        self._ctx = None
+
+    # -- helpers for a CLI ---------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int | None:
+        return self.drafter.cfg.block_size if self.drafter else None
+
+    @property
+    def default_num_speculative_tokens(self) -> int:
+        return self.drafter.cfg.block_size - 1 if self.drafter else 0
+
+    def chat_prompt(self, messages, enable_thinking: bool = False) -> str:
+        """ChatML prompt text; thinking disabled by default (Qwen3 drafters were trained without it)."""
+        return render_chat(messages, enable_thinking=enable_thinking)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text)
+
+    def aggregate_metrics(self) -> Metrics:
+        return aggregate(self.history)
+
+    def reset_metrics(self) -> None:
+        self.history.clear()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _caches(self):
+        if self._cache is None:
+            self._cache = self.target.new_cache(self.max_len, self.kv_dtype)
+            if self.drafter is not None:
+                self._ctx = self.drafter.new_cache(self.max_len)
+        self._cache.reset()
+        if self._ctx is not None:
+            self._ctx.reset()
+        return self._cache, self._ctx
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            try:
+                arr = np.asarray(prompt)
+                if arr.size and arr.dtype.kind not in "iu":
+                    raise TypeError
+                ids = [int(i) for i in arr.astype(np.int64).reshape(-1)]
+            except (TypeError, ValueError):
+                raise TypeError(f"prompt must be a str or a sequence of token ids, "
+                                f"got {type(prompt).__name__}") from None
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        V = self.target.cfg.vocab_size
+        bad = [i for i in ids if not 0 <= i < V]
+        if bad:
+            raise ValueError(f"prompt token ids must lie in [0, {V}), got {bad[:5]}")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV cache holds max_len = {self.max_len} "
+                             f"(load(..., max_len=) larger, up to max_position_embeddings)")
+        return ids
+
+    def generate(self, prompt_or_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed=None, num_speculative_tokens: int | None = None, stop=None,
+                 stream=None, ignore_eos: bool = False) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after a prompt (text, encoded without chat
+        template, or token ids).
+
+        temperature 0: greedy (identical with and without the drafter). temperature > 0: sampled
+        with top_k (0 = off) / top_p (1 = off), lossless rejection sampling; ``seed`` (int) makes it
+        reproducible. num_speculative_tokens: drafts per round, default block_size - 1; 0 or no
+        drafter = autoregressive. stop: extra stop token ids and/or stop strings (in addition to
+        the checkpoint's eos ids unless ignore_eos). stream: ``callback(new_ids, new_text)`` after
+        every round (new_text None without tokenizer).
+        """
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not _is_int(top_k) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+        k = self.default_num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
+        if k > 0 and self.drafter is None:
+            raise ValueError("num_speculative_tokens > 0 needs a drafter (load(target, drafter_dir))")
+        if self.drafter is not None and k > self.drafter.cfg.block_size - 1:
+            raise ValueError(f"num_speculative_tokens {k} exceeds the drafter's block_size - 1 = "
+                             f"{self.drafter.cfg.block_size - 1}")
+        stop_ids, stop_strings = self._stops(stop, ignore_eos)
+        ids = self._prompt_ids(prompt_or_ids)
+        metrics = Metrics(prompt_tokens=len(ids))
+        if max_new_tokens == 0:
+            self.history.append(metrics)
+            return GenerationResult([], "" if self.tokenizer else None, "length", metrics, ids)
+        run = _Run(self, int(max_new_tokens), float(temperature), int(top_k), float(top_p), seed,
+                   stop_ids, stop_strings, stream, metrics)
+        run.execute(ids, int(k))
+        self.history.append(metrics)
+        out = run.out
+        text = None
+        if self.tokenizer is not None:
+            body = out[:-1] if run.finish == "stop" and out and out[-1] in stop_ids else out
+            text = self.tokenizer.decode(body)
+            if run.finish == "stop" and stop_strings:
+                cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+        return GenerationResult(out, text, run.finish, metrics, ids)
+
+    def _stops(self, stop, ignore_eos):
+        ids = set() if ignore_eos else set(self.stop_ids)
+        strings = []
+        for s in ([] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))):
+            if isinstance(s, str):
+                if not s:
+                    raise ValueError("stop strings must be non-empty")
+                if self.tokenizer is None:
+                    raise ValueError("stop strings need a tokenizer; pass stop token ids")
+                strings.append(s)
+            elif isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+                ids.add(int(s))
+            else:
+                raise TypeError(f"stop entries must be token ids or strings, got {s!r}")
+        return frozenset(ids), tuple(strings)
+
+
+class _Run:
+    """State of one generate() call."""
+
+    def __init__(self, eng: Engine, max_new, temperature, top_k, top_p, seed, stop_ids, stop_strings, stream,
+                 metrics: Metrics):
+        self.eng, self.target, self.drafter, self.ops = eng, eng.target, eng.drafter, eng.ops
+        self.max_new, self.temperature, self.top_k, self.top_p = max_new, temperature, top_k, top_p
+        self.rng = np.random.default_rng(seed) if temperature > 0 else None
+        self.stop_ids, self.stop_strings, self.stream, self.m = stop_ids, stop_strings, stream, metrics
+        self.out: list[int] = []
+        self.finish = None
+        self.decoder = eng.tokenizer.stream() if (stream is not None and eng.tokenizer is not None) else None
+        self.callback_s = 0.0
+
+    # target choice: the same rule for the first token, AR steps and (via the kernels) verification
+    def _choose(self, hidden) -> int:
+        if self.temperature == 0.0:
+            return int(self.target.greedy(hidden)[0])
+        logits = self.target.logits(hidden)  # (1, V)
+        _, row = self.ops.rejection_sample(_EMPTY_DRAFTS, logits[None], self.temperature, self.top_k, self.top_p,
+                                           self.rng)
+        return int(np.asarray(row)[0, 0])
+
+    def _commit(self, new) -> bool:
+        """Append new tokens, honouring max_new_tokens and stops (scanning the new tokens only)."""
+        n0 = len(self.out)
+        for t in new:
+            t = int(t)
+            self.out.append(t)
+            if t in self.stop_ids:
+                self.finish = "stop"
+                break
+            if len(self.out) >= self.max_new:
+                self.finish = "length"
+                break
+        if self.stop_strings and self.finish != "stop":
+            self._check_stop_strings(n0)
+        if self.stream is not None:
+            t = perf_counter()
+            new_ids = self.out[n0:]
+            text = self.decoder.push(new_ids) if self.decoder else None
+            if self.finish is not None and self.decoder:
+                text += self.decoder.flush()
+            self.stream(new_ids, text)
+            self.callback_s += perf_counter() - t
+        return self.finish is not None
+
+    def _check_stop_strings(self, n0: int) -> None:
+        tok = self.eng.tokenizer
+        longest = max(len(s) for s in self.stop_strings)
+        for j in range(n0, len(self.out)):
+            # only text that ends in the new tokens can complete a stop string
+            tail = tok.decode(self.out[max(0, n0 - longest) : j + 1])
+            if any(s in tail for s in self.stop_strings):
+                del self.out[j + 1 :]
+                self.finish = "stop"
+                return
+
+    def execute(self, ids: list[int], k: int) -> None:
+        m, ops, target, drafter = self.m, self.ops, self.target, self.drafter
+        use_draft = k > 0
+        cache, ctx = self.eng._caches()
+        t_start = perf_counter()
+        # prefill; the drafter's context K/V for the prompt is built chunk by chunk
+        hidden, _ = target.forward(ids, cache, last_only=True, taps=use_draft,
+                                   on_taps=(lambda t: drafter.add_context(t, ctx)) if use_draft else None)
+        done = self._commit([self._choose(hidden)])
+        m.prefill_s = perf_counter() - t_start
+        kernel0 = ops.kernel_s
+        anchor = self.out[-1]
+        while not done:
+            start = cache.length  # committed tokens with K/V; the anchor goes to position start
+            room = cache.max_len - start
+            if room <= 0:
+                self.finish = "max_len"
+                break
+            kk = min(k, self.max_new - len(self.out) - 1, room - 1)
+            t0 = perf_counter()
+            if kk <= 0:  # autoregressive step (no drafter, or the last token of the budget)
+                t1 = t0
+                hidden, _ = target.forward([anchor], cache, taps=False)
+                t2 = perf_counter()
+                new = [self._choose(hidden)]
+                a = 0
+            else:
+                drafts = drafter.draft(anchor, kk, ctx)  # (k,)
+                t1 = perf_counter()
+                block = np.empty(kk + 1, np.int64)
+                block[0], block[1:] = anchor, drafts
+                hidden, taps = target.forward(block, cache, taps=True)  # rows start..start+k
+                if self.temperature == 0.0:
+                    choice = target.greedy(hidden)  # (k+1,) target argmax per row
+                    t2 = perf_counter()
+                    n_acc, row = ops.accept_greedy(drafts[None], choice[None])
+                else:
+                    logits = target.logits(hidden)  # (k+1, V)
+                    t2 = perf_counter()
+                    n_acc, row = ops.rejection_sample(drafts[None], logits[None], self.temperature, self.top_k,
+                                                      self.top_p, self.rng)
+                a = int(np.asarray(n_acc)[0])
+                new = np.asarray(row)[0, : a + 1].tolist()  # accepted drafts + bonus
+                cache.truncate(start + a + 1)
+                drafter.add_context(taps[: a + 1], ctx)  # context for the committed positions
+            m.accepted.append(a)
+            m.drafted.append(max(kk, 0))
+            done = self._commit(new)
+            anchor = self.out[-1]
+            t3 = perf_counter()
+            m.draft_s += t1 - t0
+            m.verify_s += t2 - t1
+            m.accept_s += t3 - t2
+        if self.finish is None:
+            self.finish = "length"
+        m.kernel_s = ops.kernel_s - kernel0
+        m.accept_s -= self.callback_s
+        m.generated_tokens = len(self.out)
+        m.total_s = perf_counter() - t_start - self.callback_s
+
+
+def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
+         n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
+         fuse_weights="auto") -> Engine:
+    """Load a Qwen3 target (and optionally a DFlash drafter) from HF checkpoint directories.
+
+    max_len: KV cache positions (prompt + generated), default min(max_position_embeddings, 8192).
+    kv_dtype: "float32" or "bfloat16" target KV cache storage. n_threads / backend: passed to every
+    kernel. prefill_chunk: prompt rows per target forward. fuse_weights: True stacks each layer's
+    [Wq; Wk; Wv] and [Wgate; Wup] into one in-RAM bf16 copy (fewer kernel calls), False keeps every
+    weight memory-mapped, "auto" fuses checkpoints under 2 GB. Raises ConfigError / WeightsError /
+    TokenizerError / ValueError naming the file and key.
+    """
+    target_dir = Path(target_dir)
+    if kv_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {kv_dtype!r}")
+    if fuse_weights not in (True, False, "auto"):
+        raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
+    tcfg = load_qwen3_config(target_dir)
+    if max_len is None:
+        max_len = min(tcfg.max_position_embeddings, 8192)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+    if max_len > tcfg.max_position_embeddings:
+        raise ValueError(f"max_len {max_len} exceeds the target's max_position_embeddings "
+                         f"{tcfg.max_position_embeddings}")
+    dcfg = None
+    if drafter_dir is not None:
+        drafter_dir = Path(drafter_dir)
+        dcfg = load_dflash_config(drafter_dir, num_target_layers=tcfg.num_hidden_layers)
+        _check_pair(tcfg, dcfg, drafter_dir)
+    ops = Ops(n_threads=n_threads, backend=backend)
+    tensors, origin = read_checkpoint(target_dir)
+    fuse = fuse_weights
+    if fuse == "auto":
+        fuse = sum(a.nbytes for a in tensors.values()) < (2 << 30)
+    target = Qwen3Model(tcfg, tensors, origin, ops=ops, prefill_chunk=prefill_chunk, fuse=fuse,
+                        where=str(target_dir), tap_layer_ids=dcfg.target_layer_ids if dcfg else ())
+    drafter = None
+    if dcfg is not None:
+        dtensors, dorigin = read_checkpoint(drafter_dir)
+        drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=ops,
+                                target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
+    tokenizer = Tokenizer(target_dir / "tokenizer.json") if (target_dir / "tokenizer.json").exists() else None
+    stops = stop_token_ids(target_dir, tcfg.eos_token_ids, tokenizer)
+    engine = Engine(target, drafter, tokenizer, stops, ops=ops, max_len=max_len, kv_dtype=kv_dtype)
+    engine.target_dir, engine.drafter_dir = target_dir, drafter_dir
+    return engine
+
+
+def _check_pair(t, d, drafter_dir) -> None:
+    """Drafter/target mismatches that would otherwise run and silently produce garbage."""
+    where = Path(drafter_dir) / "config.json"
+    if d.hidden_size != t.hidden_size:
+        raise ValueError(f"{where}: hidden_size {d.hidden_size} != target hidden_size {t.hidden_size} "
+                         "(the drafter embeds with the target's embed_tokens)")
+    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
+        raise ValueError(f"{where}: vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
+    bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]
+    if bad:
+        raise ValueError(f"{where}: dflash_config.target_layer_ids {list(d.target_layer_ids)} has {bad} beyond "
+                         f"the target's {t.num_hidden_layers} layers (0..{t.num_hidden_layers - 1})")
+    if d.num_target_layers is not None and d.num_target_layers != t.num_hidden_layers:
+        raise ValueError(f"{where}: num_target_layers {d.num_target_layers} != target num_hidden_layers "
+                         f"{t.num_hidden_layers}: drafter trained for another target")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ValueError(f"{where}: dflash_config.mask_token_id {d.mask_token_id} outside the target embedding "
+                         f"(vocab_size {t.vocab_size})")

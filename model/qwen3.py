@@ -1,0 +1,247 @@
+"""Qwen3 dense target on the dk kernels (qwen.md 1.4): prefill, decode, verification of k+1 rows.
+
+Everything is computed in float32 from bf16 (or f32) weights that the kernels read directly. Every
+forward appends its rows to a preallocated KV cache (post-k_norm, post-RoPE K; raw V) and returns
+the final-normed hidden of the rows the caller needs plus the DFlash taps: the residual stream after
+each layer in ``tap_layer_ids``, concatenated in listed order (HF ``hidden_states[id + 1]``; the
+last layer's entry is the final-normed output, as in HF).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_kernels._tensors import f32_to_bf16
+
+from ._ops import Ops
+from .config import Qwen3Config
+from .weights import as_f32, check_tensors, concat_rows, storage
+
+
+def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
+    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape (qwen.md 1.3)."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.q_dim, H),
+            p + "self_attn.k_proj.weight": (cfg.kv_dim, H),
+            p + "self_attn.v_proj.weight": (cfg.kv_dim, H),
+            p + "self_attn.o_proj.weight": (H, cfg.q_dim),
+            p + "self_attn.q_norm.weight": (D,),
+            p + "self_attn.k_norm.weight": (D,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        })
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+@dataclass
+class _Layer:
+    w_in: np.ndarray  # (H,) f32
+    w_qkv: np.ndarray | tuple  # (q_dim + 2 kv_dim, H) [Wq; Wk; Wv] (tuple of the three: unfused)
+    q_norm: np.ndarray  # (D,) f32
+    k_norm: np.ndarray  # (D,) f32
+    w_o: np.ndarray  # (H, q_dim)
+    w_post: np.ndarray  # (H,) f32
+    w_gate_up: np.ndarray | tuple  # (2I, H) [Wgate; Wup]: silu_and_mul reads [gate | up]
+    w_down: np.ndarray  # (H, I)
+    window: int | None
+
+
+class KVCache:
+    """Per-sequence KV cache: (layers, max_len, H_kv, D) K and V, float32 or bf16 (uint16) storage."""
+
+    def __init__(self, n_layers: int, max_len: int, n_kv: int, head_dim: int, dtype: str = "float32"):
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        np_dtype = np.float32 if dtype == "float32" else np.uint16
+        self.k = np.zeros((n_layers, max_len, n_kv, head_dim), np_dtype)  # (L, T_kv, H_kv, D)
+        self.v = np.zeros((n_layers, max_len, n_kv, head_dim), np_dtype)
+        self.bf16 = dtype == "bfloat16"
+        self.max_len = max_len
+        self.length = 0
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store rows pos..pos+T-1 of one layer; k, v (T, H_kv, D) float32."""
+        if self.bf16:
+            k, v = f32_to_bf16(k), f32_to_bf16(v)
+        self.k[layer, pos : pos + k.shape[0]] = k
+        self.v[layer, pos : pos + v.shape[0]] = v
+
+    def truncate(self, length: int) -> None:
+        """Drop every position >= length (rejected verification rows); the rows are overwritten later."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate length must lie in [0, {self.length}], got {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class Qwen3Model:
+    """Qwen3ForCausalLM forward on the dk kernels."""
+
+    def __init__(self, cfg: Qwen3Config, tensors: dict, origin: dict | None = None, *, ops: Ops | None = None,
+                 tap_layer_ids=(), prefill_chunk: int = 512, fuse: bool = True, where: str = "target"):
+        """fuse: stack [Wq; Wk; Wv] and [Wgate; Wup] into one bf16 copy per layer (fewer kernel calls);
+        False keeps every weight memory-mapped (no copy at all)."""
+        check_tensors(tensors, origin or {}, qwen3_tensor_shapes(cfg), where,
+                      optional=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+        self.cfg = cfg
+        self.ops = ops or Ops()
+        self.eps = cfg.rms_norm_eps
+        self.prefill_chunk = prefill_chunk
+        t = {k: storage(v) for k, v in tensors.items()}
+        self.embed = t["model.embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]  # (V, H)
+        self.norm = as_f32(t["model.norm.weight"])
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
+            self.layers.append(_Layer(
+                w_in=as_f32(t[p + "input_layernorm.weight"]),
+                w_qkv=concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
+                                  fuse=fuse),
+                q_norm=as_f32(t[a + "q_norm.weight"]),
+                k_norm=as_f32(t[a + "k_norm.weight"]),
+                w_o=t[a + "o_proj.weight"],
+                w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
+                w_gate_up=concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse),
+                w_down=t[m + "down_proj.weight"],
+                window=window,
+            ))
+        self.set_taps(tap_layer_ids)
+
+    def set_taps(self, tap_layer_ids) -> None:
+        """Layers whose output residual stream is returned as DFlash context features, in order."""
+        L = self.cfg.num_hidden_layers
+        ids = tuple(int(i) for i in tap_layer_ids)
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"target_layer_ids {list(ids)}: {bad} outside the target's {L} layers (0..{L - 1})")
+        self.tap_ids = ids
+        self._tap_slot = {}  # layer -> list of column slots
+        for slot, layer in enumerate(ids):
+            self._tap_slot.setdefault(layer, []).append(slot)
+
+    @property
+    def tap_width(self) -> int:
+        return len(self.tap_ids) * self.cfg.hidden_size
+
+    def new_cache(self, max_len: int, dtype: str = "float32") -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, dtype)
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        return as_f32(self.embed[ids])  # (T, H) float32 copy of the needed rows only
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, ids, cache: KVCache, *, last_only: bool = False, taps: bool = True, on_taps=None):
+        """Run tokens ``ids`` at positions cache.length.. and append their K/V to the cache.
+
+        Returns (hidden, taps): final-normed hidden (T, H) float32 (only the last row, shape (1, H),
+        when last_only) and the tap features (T, len(tap_ids) * H) float32 (None when taps=False or
+        no taps are configured). Long inputs run in chunks of ``prefill_chunk`` rows; with
+        ``on_taps`` each chunk's taps go to ``on_taps(chunk_taps)`` as soon as they exist (a long
+        prompt's taps are never held all at once) and the returned taps are None.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        T = ids.shape[0]
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
+        want_taps = taps and bool(self.tap_ids)
+        chunk = max(1, self.prefill_chunk)
+        tap_out = np.empty((T, self.tap_width), np.float32) if want_taps and on_taps is None else None
+        hidden = []
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            final_rows = e == T or not last_only
+            if not want_taps:
+                buf = None
+            elif tap_out is not None:
+                buf = tap_out[s:e]
+            else:
+                buf = np.empty((e - s, self.tap_width), np.float32)
+            h = self._forward_rows(ids[s:e], cache, buf, final_rows)
+            if on_taps is not None and buf is not None:
+                on_taps(buf)
+            if h is not None:
+                hidden.append(h[-1:] if last_only else h)
+        return (hidden[0] if len(hidden) == 1 else np.concatenate(hidden)), tap_out
+
+    def _forward_rows(self, ids, cache: KVCache, tap_out, want_hidden: bool):
+        ops, c, eps = self.ops, self.cfg, self.eps
+        T = ids.shape[0]
+        start = cache.length
+        pos = np.arange(start, start + T, dtype=np.int64)
+        Hq, Hkv, D, qd, kvd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.q_dim, c.kv_dim
+        x = self.embed_rows(ids)  # (T, H) residual stream
+        n_layers = len(self.layers)
+        delta = None  # (T, H) MLP output not yet added to x
+        for li, L in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, L.w_in, eps)
+            else:  # the previous layer's MLP residual add, fused into this norm
+                h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
+            qkv = ops.linear(h, L.w_qkv)  # (T, qd + 2 kvd)
+            q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), L.q_norm, eps).reshape(T, Hq, D)
+            k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), L.k_norm, eps).reshape(T, Hkv, D)
+            v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
+            q = ops.rope(q, pos, c.rope_theta)
+            k = ops.rope(k, pos, c.rope_theta)
+            cache.write(li, start, k, v)
+            end = start + T
+            o = ops.cached_attention(q, cache.k[li, :end], cache.v[li, :end], window=L.window)  # (T, Hq, D)
+            h, x = ops.add_rms_norm(ops.linear(o.reshape(T, qd), L.w_o), x, L.w_post, eps)
+            delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
+            if tap_out is not None and li in self._tap_slot:
+                x, delta = x + delta, None
+                tap = x if li < n_layers - 1 else ops.rms_norm(x, self.norm, eps)  # HF: last entry is normed
+                for slot in self._tap_slot[li]:
+                    tap_out[:, slot * c.hidden_size : (slot + 1) * c.hidden_size] = tap
+        cache.length = start + T
+        if not want_hidden:
+            return None
+        if delta is None:
+            return ops.rms_norm(x, self.norm, eps)
+        return ops.add_rms_norm(delta, x, self.norm, eps)[0]
+
+    # -- heads ---------------------------------------------------------------------------------
+
+    def prefill(self, ids, cache: KVCache):
+        """Prompt -> (float32 logits (1, V) of the last position, taps (T, n_taps * H) or None)."""
+        hidden, taps = self.forward(ids, cache, last_only=True)
+        return self.logits(hidden), taps
+
+    def decode(self, token: int, cache: KVCache) -> np.ndarray:
+        """One token at position cache.length -> float32 logits (1, V)."""
+        hidden, _ = self.forward([token], cache, taps=False)
+        return self.logits(hidden)
+
+    def verify(self, tokens, cache: KVCache):
+        """[anchor, drafts...] (k+1 tokens) -> (float32 logits (k+1, V), taps (k+1, n_taps * H));
+        cut rejected rows afterwards with ``cache.truncate(start + accepted + 1)``."""
+        hidden, taps = self.forward(tokens, cache)
+        return self.logits(hidden), taps
+
+    def logits(self, hidden) -> np.ndarray:
+        """(T, H) final-normed hidden -> (T, V) float32 logits."""
+        return self.ops.linear(hidden, self.lm_head)
+
+    def greedy(self, hidden) -> np.ndarray:
+        """(T, H) final-normed hidden -> (T,) argmax token ids (first on ties), no logits materialised."""
+        return self.ops.argmax_tokens(hidden, self.lm_head)

@@ -1,0 +1,106 @@
+"""tokenizer.json loading (``tokenizers`` only), streaming detokenizer, ChatML prompts, stop ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import load_generation_config
+
+
+class TokenizerError(ValueError):
+    """A tokenizer.json that cannot be read."""
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer of a Qwen checkpoint (qwen.md 3.4). No BOS is ever added."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        self.path = Path(path)
+        try:
+            self._tok = _HFTokenizer.from_file(str(self.path))
+        except Exception as err:  # missing file, bad JSON, unknown model type: all reported alike
+            raise TokenizerError(f"{self.path}: cannot load tokenizer ({err})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokenizer ids incl. added tokens (smaller than the padded embedding; size tensors from config)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: feed ids, get the newly completed text.
+
+    Decodes the whole generated sequence and emits the new suffix, holding back a trailing
+    "\\ufffd" (an incomplete UTF-8 sequence split across tokens) until later tokens complete it.
+    The concatenation of everything emitted plus ``flush()`` equals ``decode(all ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already returned
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.tokenizer.decode(self.ids, self.skip)
+        end = len(text)
+        while end > self.emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        if end <= self.emitted:
+            return ""
+        new, self.emitted = text[self.emitted : end], end
+        return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, self.skip)
+        new, self.emitted = text[self.emitted :], len(text)
+        return new
+
+
+def render_chat(messages, *, add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
+    """ChatML prompt (qwen.md 3.5) for plain system/user/assistant messages.
+
+    messages: a str (one user turn) or a list of {"role", "content"} dicts. With
+    enable_thinking=False the generation prompt gets an empty think block, as the official Qwen3
+    template writes it (DFlash Qwen3 drafters were trained that way).
+    """
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    parts = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise ValueError(f"messages: each entry needs role system/user/assistant and str content, got {m!r}")
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+        if not enable_thinking:
+            parts.append("<think>\n\n</think>\n\n")
+    return "".join(parts)
+
+
+def stop_token_ids(model_dir, config_eos=(), tokenizer: Tokenizer | None = None) -> tuple[int, ...]:
+    """generation_config.json eos ids (int or list) plus the config's eos; falls back to <|im_end|> /
+    <|endoftext|> from the tokenizer when neither file names one."""
+    ids = list(load_generation_config(model_dir).eos_token_ids)
+    ids += [i for i in config_eos if i not in ids]
+    if not ids and tokenizer is not None:
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            i = tokenizer.token_to_id(tok)
+            if i is not None:
+                ids.append(i)
+    return tuple(ids)

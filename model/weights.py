@@ -1,0 +1,189 @@
+"""safetensors loading: memory-mapped, bf16 kept as bf16 (numpy uint16 bit patterns), checked.
+
+The safetensors format (qwen.md 1.5) is parsed here directly so that every tensor is a zero-copy,
+read-only view of one ``numpy.memmap`` per file: a 16 GB bf16 checkpoint costs page cache, not a
+float32 copy. Sharded checkpoints are read through ``*.safetensors.index.json`` (shard names come
+from its weight_map, never guessed). Errors name the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+_DTYPES = {
+    "BF16": np.uint16,  # bf16 bit patterns, what the dk kernels read directly
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class WeightsError(ValueError):
+    """A checkpoint whose files or tensors do not match what the model needs."""
+
+
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Memory-map one .safetensors file; return {name: read-only array} (BF16 as uint16)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise WeightsError(f"{path}: truncated or corrupt safetensors file "
+                                   f"(header of {n} bytes, file of {size})")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: file not found") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path}: corrupt safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: corrupt safetensors header (not an object)")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    data_size = size - data_start
+    buf = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if isinstance(info, dict) and info.get("dtype") not in _DTYPES:
+            raise WeightsError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        try:
+            dtype = np.dtype(_DTYPES[info["dtype"]])
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightsError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise WeightsError(f"{path}: tensor {name!r} has data_offsets {begin}..{end} for {nbytes} bytes "
+                               f"of {info['dtype']} {list(shape)}")
+        if end > data_size:
+            raise WeightsError(f"{path}: truncated file: tensor {name!r} ends at byte {end} "
+                               f"of a {data_size}-byte buffer")
+        arr = buf[data_start + begin : data_start + end].view(dtype).reshape(shape)
+        if not arr.flags.aligned:  # odd packing: copy (rare, small tensors)
+            arr = np.array(arr)
+            arr.flags.writeable = False
+        out[name] = arr
+    return out
+
+
+def read_checkpoint(model_dir) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of a checkpoint directory and, per tensor, the file it came from.
+
+    Sharded: ``*.safetensors.index.json`` (its weight_map names the shards); else the one
+    ``model.safetensors`` (or the only ``*.safetensors`` file).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise WeightsError(f"{model_dir}: not a directory")
+    indexes = sorted(model_dir.glob("*.safetensors.index.json"))
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    if indexes:
+        index_path = indexes[0]
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AssertionError, TypeError) as err:
+            raise WeightsError(f"{index_path}: not a safetensors index with a weight_map ({err!r})") from None
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.exists():
+                raise WeightsError(f"{index_path}: shard {shard!r} listed in weight_map is missing")
+            for name, arr in read_safetensors(shard_path).items():
+                if name in tensors:
+                    raise WeightsError(f"{shard_path}: tensor {name!r} also appears in {origin[name]}")
+                tensors[name], origin[name] = arr, str(shard_path)
+        for name, shard in weight_map.items():
+            if name not in tensors:
+                raise WeightsError(f"{model_dir / shard}: tensor {name!r} listed in {index_path.name} "
+                                   "is not in the file")
+            if Path(origin[name]).name != shard:
+                raise WeightsError(f"{index_path}: tensor {name!r} is mapped to {shard} but found in {origin[name]}")
+        return tensors, origin
+    files = sorted(model_dir.glob("*.safetensors"))
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        files = [single]
+    if not files:
+        raise WeightsError(f"{model_dir}: no *.safetensors file and no *.safetensors.index.json")
+    if len(files) > 1:
+        names = [f.name for f in files]
+        raise WeightsError(f"{model_dir}: several .safetensors files ({names}) and no index.json")
+    for name, arr in read_safetensors(files[0]).items():
+        tensors[name], origin[name] = arr, str(files[0])
+    return tensors, origin
+
+
+def check_tensors(tensors: dict, origin: dict, expected: dict[str, tuple], where, optional=()) -> None:
+    """Raise WeightsError listing missing, unexpected and wrongly shaped / typed tensors.
+
+    expected: {name: shape}; optional: names that may be present (ignored) or absent.
+    Floating tensors must be BF16, F32 or F16 (read as bf16 / f32 storage by the model).
+    """
+    missing = [n for n in expected if n not in tensors]
+    unexpected = [n for n in tensors if n not in expected and n not in optional]
+    problems = []
+    for name, shape in expected.items():
+        arr = tensors.get(name)
+        if arr is None:
+            continue
+        if tuple(arr.shape) != tuple(shape):
+            problems.append(f"{name} in {origin.get(name, '?')}: shape {list(arr.shape)}, expected {list(shape)}")
+        elif arr.dtype not in (np.uint16, np.float32, np.float16):
+            problems.append(f"{name} in {origin.get(name, '?')}: dtype {arr.dtype}, expected BF16/F32/F16")
+    if missing or unexpected or problems:
+        lines = [f"{where}: checkpoint does not match the config"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): {_names(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): {_names(unexpected)}")
+        lines += [f"  {p}" for p in problems]
+        raise WeightsError("\n".join(lines))
+
+
+def _names(names: list, limit: int = 12) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def storage(arr: np.ndarray) -> np.ndarray:
+    """Tensor as kernel storage: bf16 (uint16) and f32 unchanged, f16 upcast to f32 (small checkpoints)."""
+    if arr.dtype == np.float16:
+        return arr.astype(np.float32)
+    return arr
+
+
+def as_f32(arr: np.ndarray) -> np.ndarray:
+    """float32 copy of a small tensor (norm weights); bf16 bit patterns upcast exactly."""
+    if arr.dtype == np.uint16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def concat_rows(*weights: np.ndarray, fuse: bool = True):
+    """Stack linear weights (N_i, K) into one (sum N_i, K) so several projections run as one GEMM.
+
+    The result is in RAM in the weights' storage dtype (bf16 stays bf16); mixed dtypes go to f32.
+    fuse=False keeps the memory-mapped parts as a tuple instead (``Ops.linear`` runs one GEMM per
+    part and concatenates the outputs: same result, no copy of the weights).
+    """
+    ws = [storage(w) for w in weights]
+    if not fuse:
+        return tuple(ws)
+    if len({w.dtype for w in ws}) > 1:
+        ws = [as_f32(w) for w in ws]
+    return np.concatenate(ws, axis=0)

@@ -1,0 +1,451 @@
+# cython: language_level=3
+"""Cython kernels for attention: flash-style online softmax over key tiles, GQA heads packed.
+
+One core serves both ops. Keys are the virtual concatenation of two sources ([injected context |
+block] for the drafter, [cache | nothing] for cached attention), each float32 or bf16, read in
+place and upcast per tile into scratch. Query i sits at position q_off + i and sees the keys at
+positions lo(i) .. hi(i) (see dflash_kernels/attention.py), so the mask is one interval per query.
+
+Work item = (kv head g, block of query positions, key split). The `group` query heads reading kv
+head g are packed with the block's positions into up to QROWS rows, so a K/V tile is loaded once
+for all of them. The key split depends on the shape only (never on n_threads) and partials are
+merged in a fixed order: results are identical for every n_threads.
+"""
+
+cimport numpy as cnp
+from cython.parallel cimport prange, threadid
+from libc.math cimport INFINITY
+from libc.stdint cimport uint16_t, uint32_t
+
+import numpy as np
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    /* float32 exp, Cephes-style: x = n ln2 + r (two-step Cody-Waite via fma so -fassociative-math
+       cannot merge the steps), exp(r) by a degree-6 polynomial, 2^n through the exponent bits.
+       Branch-free, so gcc vectorises the loops that call it; x < -87 (and -inf) gives exactly 0. */
+    static inline float dk_exp(float x) {
+        float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+        float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+        float r = __builtin_fmaf(n, -0.693359375f, xc);
+        r = __builtin_fmaf(n, 2.12194440e-4f, r);
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * (r * r) + r + 1.0f;
+        union { unsigned int u; float f; } two_n;
+        two_n.u = (unsigned int)((int)n + 127) << 23;
+        return x < -87.0f ? 0.0f : p * two_n.f;
+    }
+
+    /* Ask for a K or V row ahead of use: one kv head's rows are H_kv * D elements apart, often a
+       whole page, and hardware prefetchers do not follow strides across pages. */
+    static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
+        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 3);
+    }
+
+    /* Register-blocked micro-kernels, written with GCC vector extensions so the 8 accumulators
+       (4 rows x 2 vectors) stay in registers: DK_W floats per vector, 16 with AVX-512, else 8 (AVX;
+       plain SSE targets get pairs). A block covers DK_CB = 2 * DK_W keys (in S) or dims (in P V). */
+    #if defined(__AVX512F__)
+    #define DK_W 16
+    #else
+    #define DK_W 8
+    #endif
+    #define DK_CB (2 * DK_W)
+    typedef float dk_vf __attribute__((vector_size(DK_W * 4), aligned(4)));
+    #define DK_LD(p) (*(const dk_vf*)(p))
+    #define DK_ST(p, x) (*(dk_vf*)(p) = (x))
+
+    /* s[0:4, 0:CB] (row stride lds) = q[0:4, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
+    static inline void dk_qk_block(const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
+                                   float* s, Py_ssize_t lds) {
+        dk_vf a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+        for (Py_ssize_t d = 0; d < D; d++) {
+            dk_vf k0 = DK_LD(kt + d * ldk), k1 = DK_LD(kt + d * ldk + DK_W);
+            float q0 = q[d], q1 = q[D + d], q2 = q[2 * D + d], q3 = q[3 * D + d];
+            a00 += q0 * k0; a01 += q0 * k1;
+            a10 += q1 * k0; a11 += q1 * k1;
+            a20 += q2 * k0; a21 += q2 * k1;
+            a30 += q3 * k0; a31 += q3 * k1;
+        }
+        DK_ST(s, a00); DK_ST(s + DK_W, a01);
+        DK_ST(s + lds, a10); DK_ST(s + lds + DK_W, a11);
+        DK_ST(s + 2 * lds, a20); DK_ST(s + 2 * lds + DK_W, a21);
+        DK_ST(s + 3 * lds, a30); DK_ST(s + 3 * lds + DK_W, a31);
+    }
+
+    /* acc[0:4, 0:CB] (row stride lda) += p[0:4, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
+    static inline void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v,
+                                   Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+        dk_vf a00 = DK_LD(acc), a01 = DK_LD(acc + DK_W);
+        dk_vf a10 = DK_LD(acc + lda), a11 = DK_LD(acc + lda + DK_W);
+        dk_vf a20 = DK_LD(acc + 2 * lda), a21 = DK_LD(acc + 2 * lda + DK_W);
+        dk_vf a30 = DK_LD(acc + 3 * lda), a31 = DK_LD(acc + 3 * lda + DK_W);
+        for (Py_ssize_t c = 0; c < n; c++) {
+            dk_vf v0 = DK_LD(v + c * ldv), v1 = DK_LD(v + c * ldv + DK_W);
+            float p0 = p[c], p1 = p[ldp + c], p2 = p[2 * ldp + c], p3 = p[3 * ldp + c];
+            a00 += p0 * v0; a01 += p0 * v1;
+            a10 += p1 * v0; a11 += p1 * v1;
+            a20 += p2 * v0; a21 += p2 * v1;
+            a30 += p3 * v0; a31 += p3 * v1;
+        }
+        DK_ST(acc, a00); DK_ST(acc + DK_W, a01);
+        DK_ST(acc + lda, a10); DK_ST(acc + lda + DK_W, a11);
+        DK_ST(acc + 2 * lda, a20); DK_ST(acc + 2 * lda + DK_W, a21);
+        DK_ST(acc + 3 * lda, a30); DK_ST(acc + 3 * lda + DK_W, a31);
+    }
+
+    /* The last of a query block's key splits to finish merges them (acq_rel: it sees the others'
+       partials), so one parallel region with a single barrier does the whole op. */
+    static inline int dk_finish_split(int* remaining) {
+        return __atomic_sub_fetch(remaining, 1, __ATOMIC_ACQ_REL) == 0;
+    }
+    """
+    float dk_exp(float x) noexcept nogil
+    void dk_prefetch(const void* p, Py_ssize_t nbytes) noexcept nogil
+    int DK_CB
+    void dk_qk_block(const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk, float* s,
+                     Py_ssize_t lds) noexcept nogil
+    void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
+                     float* acc, Py_ssize_t lda) noexcept nogil
+    int dk_finish_split(int* remaining) noexcept nogil
+
+cdef enum:
+    KT = 64            # keys per tile
+    RB = 4             # query rows per register block
+    QROWS = 64         # packed query rows (positions x group heads) per work item
+    SPLIT_ITEMS = 16   # split key ranges until there are about this many work items ...
+    SPLIT_MIN_KEYS = 256  # ... but keep at least this many keys per split
+    PREFETCH_KEYS = 16    # software prefetch distance for K/V rows
+
+
+cdef struct Problem:
+    const void* k1     # source 1 keys (T1, H_kv, D), float32 or bf16 bits
+    const void* v1
+    const void* k2     # source 2 keys (T2, H_kv, D)
+    const void* v2
+    int bf1            # source 1 stored as bf16
+    int bf2
+    Py_ssize_t T1, T2, T_q, H_q, H_kv, group, D, Dp
+    Py_ssize_t q_off   # position of query 0
+    Py_ssize_t window  # 0: no window
+    int causal
+    float scale
+    Py_ssize_t qb_t    # query positions per work item
+    Py_ssize_t n_qb    # query blocks
+    Py_ssize_t split   # key splits per (kv head, query block)
+    Py_ssize_t rows    # packed rows per item, rounded up to RB
+
+
+cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
+    """First key position visible to query t."""
+    cdef Py_ssize_t lo = 0
+    if P.window > 0:
+        lo = P.q_off + t - P.window + 1
+        if lo < 0:
+            lo = 0
+    return lo
+
+
+cdef inline Py_ssize_t _hi(const Problem* P, Py_ssize_t t) noexcept nogil:
+    """Last key position visible to query t."""
+    if P.causal:
+        return P.q_off + t
+    return P.T1 + P.T2 - 1
+
+
+cdef inline void _load_row(const void* base, int bf16, Py_ssize_t off, Py_ssize_t n, float* dst) noexcept nogil:
+    """dst[0:n] = float32 of the row at element offset `off` (bf16: exact, bits << 16)."""
+    cdef Py_ssize_t d
+    cdef const uint16_t* b
+    cdef const float* f
+    cdef uint32_t* u = <uint32_t*>dst
+    if bf16:
+        b = <const uint16_t*>base + off
+        for d in range(n):
+            u[d] = (<uint32_t>b[d]) << 16
+    else:
+        f = <const float*>base + off
+        for d in range(n):
+            dst[d] = f[d]
+
+
+cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn,
+                     float* kt, float* vt, float* row) noexcept nogil:
+    """kt (D, KT) = K[j0:j0+kn, g]^T, vt (KT, Dp) = V[j0:j0+kn, g]; padding (keys >= kn, dims >= D) is 0."""
+    cdef Py_ssize_t c, d, j, off, D = P.D, Dp = P.Dp
+    cdef const void* kb
+    cdef const void* vb
+    cdef int bf
+    cdef Py_ssize_t esz, j_pf
+    for c in range(kn):
+        j = j0 + c
+        j_pf = j + PREFETCH_KEYS  # may run into the next tile: that is where it is needed
+        if j_pf < P.T1:
+            esz = 2 if P.bf1 else 4
+            dk_prefetch(<const char*>P.k1 + (j_pf * P.H_kv + g) * D * esz, D * esz)
+            dk_prefetch(<const char*>P.v1 + (j_pf * P.H_kv + g) * D * esz, D * esz)
+        elif j_pf < P.T1 + P.T2:
+            esz = 2 if P.bf2 else 4
+            dk_prefetch(<const char*>P.k2 + ((j_pf - P.T1) * P.H_kv + g) * D * esz, D * esz)
+            dk_prefetch(<const char*>P.v2 + ((j_pf - P.T1) * P.H_kv + g) * D * esz, D * esz)
+        if j < P.T1:
+            kb, vb, bf, off = P.k1, P.v1, P.bf1, (j * P.H_kv + g) * D
+        else:
+            kb, vb, bf, off = P.k2, P.v2, P.bf2, ((j - P.T1) * P.H_kv + g) * D
+        _load_row(kb, bf, off, D, row)
+        for d in range(D):
+            kt[d * KT + c] = row[d]
+        _load_row(vb, bf, off, D, vt + c * Dp)
+        for d in range(D, Dp):
+            vt[c * Dp + d] = 0.0
+    for c in range(kn, KT):
+        for d in range(D):
+            kt[d * KT + c] = 0.0
+        for d in range(Dp):
+            vt[c * Dp + d] = 0.0
+
+
+cdef inline float _row_max(const float* s) noexcept nogil:
+    """max of s[0:KT]; 8 independent lanes so gcc can vectorise without -ffinite-math."""
+    cdef float mx[8]
+    cdef float x, best
+    cdef int c, lane
+    for lane in range(8):
+        mx[lane] = s[lane]
+    for c in range(1, KT // 8):
+        for lane in range(8):
+            x = s[c * 8 + lane]
+            mx[lane] = x if x > mx[lane] else mx[lane]
+    best = mx[0]
+    for lane in range(1, 8):
+        best = mx[lane] if mx[lane] > best else best
+    return best
+
+
+cdef inline void _softmax_update(float* srow, float* m, float* l, float* accrow, Py_ssize_t Dp,
+                                 Py_ssize_t c_lo, Py_ssize_t c_hi) noexcept nogil:
+    """Online softmax of one row: keys c_lo..c_hi of the tile are visible (maybe none).
+
+    srow becomes the tile's unnormalised probabilities; the running max m, sum l and accumulator
+    row are rescaled to the new max."""
+    cdef Py_ssize_t c, d
+    cdef float mt, mn, alpha, tot = 0.0, p
+    if c_hi < c_lo:  # nothing visible in this tile for this row: contributes nothing
+        for c in range(KT):
+            srow[c] = 0.0
+        return
+    for c in range(c_lo):
+        srow[c] = -INFINITY
+    for c in range(c_hi + 1, KT):
+        srow[c] = -INFINITY
+    mt = _row_max(srow)
+    mn = mt if mt > m[0] else m[0]
+    for c in range(KT):
+        p = dk_exp(srow[c] - mn)
+        srow[c] = p
+        tot += p
+    if mn != m[0]:
+        alpha = dk_exp(m[0] - mn)  # 0 on the first visible tile (m = -inf)
+        l[0] *= alpha
+        for d in range(Dp):
+            accrow[d] *= alpha
+        m[0] = mn
+    l[0] += tot
+
+
+cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
+    """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, one row,
+    and m, l, acc of all heads."""
+    cdef Py_ssize_t Rp = P.rows, H = P.H_kv
+    return H * Rp * P.D + P.D * KT + KT * P.Dp + Rp * KT + P.D + H * (2 * Rp + Rp * P.Dp)
+
+
+cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
+                float* part_m, float* part_l, float* part_acc, float* buf) noexcept nogil:
+    """One work item (query block b, key split s): online softmax over its keys, for every kv head.
+
+    The kv-head loop sits inside the key-tile loop: one key's rows of all heads share a page (the
+    cache is (T, H_kv, D)), so the TLB misses of a tile are paid once, not once per head."""
+    cdef Py_ssize_t split = P.split, D = P.D, Dp = P.Dp, Rp = P.rows, group = P.group, H = P.H_kv
+    cdef Py_ssize_t s = item % split
+    cdef Py_ssize_t b = item // split
+    cdef Py_ssize_t t0 = b * P.qb_t
+    cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
+    cdef Py_ssize_t R = nt * group
+    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi
+    cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
+    cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
+    cdef float inv
+    cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head
+    cdef float* kt = qp + H * Rp * D     # (D, KT)
+    cdef float* vt = kt + D * KT         # (KT, Dp)
+    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities
+    cdef float* row = sc + Rp * KT       # (D,)
+    cdef float* m                        # (H_kv, Rp) running max
+    cdef float* l                        # (H_kv, Rp) running sum
+    cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
+    cdef float* qg
+    cdef float* mg
+    cdef float* lg
+    cdef float* ag
+    if split == 1:                       # this thread's m, l, acc
+        m = row + D
+        l = m + H * Rp
+        acc = l + H * Rp
+    else:                                # the item's slots in the partials
+        m = part_m + item * H * Rp
+        l = part_l + item * H * Rp
+        acc = part_acc + item * H * Rp * Dp
+    for r in range(H * Rp):
+        m[r] = -INFINITY
+        l[r] = 0.0
+        for d in range(Dp):
+            acc[r * Dp + d] = 0.0
+        for d in range(D):
+            qp[r * D + d] = 0.0
+    for g in range(H):  # pack each kv head's group: query head g * group + r % group
+        for r in range(R):
+            t = t0 + r // group
+            h = g * group + r % group
+            for d in range(D):
+                qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+
+    for tile in range(s * n_tiles // split, (s + 1) * n_tiles // split):
+        j0 = lo_min + tile * KT
+        kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
+        for g in range(H):
+            qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
+            _load_tile(P, g, j0, kn, kt, vt, row)
+            for r0 in range(Rp // RB):  # S = Q K^T, in 4 x DK_CB register blocks
+                for c0 in range(KT // DK_CB):
+                    dk_qk_block(qg + r0 * RB * D, D, kt + c0 * DK_CB, KT, sc + r0 * RB * KT + c0 * DK_CB, KT)
+            for r in range(Rp):  # mask to the row's interval, online softmax
+                if r < R:
+                    t = t0 + r // group
+                    c_lo = max(_lo(P, t) - j0, 0)
+                    c_hi = min(_hi(P, t) - j0, kn - 1)
+                else:  # padding rows
+                    c_lo, c_hi = 1, 0
+                _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
+            for r0 in range(Rp // RB):  # acc += P V, in 4 x DK_CB register blocks
+                for c0 in range(Dp // DK_CB):
+                    dk_pv_block(sc + r0 * RB * KT, KT, KT, vt + c0 * DK_CB, Dp, ag + r0 * RB * Dp + c0 * DK_CB, Dp)
+
+    if split == 1:
+        for g in range(H):
+            for r in range(R):
+                t = t0 + r // group
+                h = g * group + r % group
+                inv = 1.0 / l[g * Rp + r]
+                for d in range(D):
+                    out[(t * P.H_q + h) * D + d] = acc[(g * Rp + r) * Dp + d] * inv
+
+
+cdef void _merge(const Problem* P, Py_ssize_t unit, float* out, const float* part_m,
+                 const float* part_l, const float* part_acc) noexcept nogil:
+    """Combine the key splits of (query block, kv head) `unit` in split order."""
+    cdef Py_ssize_t split = P.split, Rp = P.rows, Dp = P.Dp, D = P.D, group = P.group, H = P.H_kv
+    cdef Py_ssize_t b = unit // H, g = unit % H
+    cdef Py_ssize_t t0 = b * P.qb_t, nt = min(P.qb_t, P.T_q - t0)
+    cdef Py_ssize_t r, s, d, t, h, i
+    cdef float mx, w, tot
+    cdef float* o
+    for r in range(nt * group):
+        t = t0 + r // group
+        h = g * group + r % group
+        o = out + (t * P.H_q + h) * D
+        mx = -INFINITY
+        for s in range(split):
+            i = ((b * split + s) * H + g) * Rp + r
+            if part_m[i] > mx:
+                mx = part_m[i]
+        for d in range(D):
+            o[d] = 0.0
+        tot = 0.0
+        for s in range(split):
+            i = ((b * split + s) * H + g) * Rp + r
+            if part_l[i] == 0.0:  # this split saw no key of the row
+                continue
+            w = dk_exp(part_m[i] - mx)
+            tot += w * part_l[i]
+            for d in range(D):
+                o[d] += w * part_acc[i * Dp + d]
+        w = 1.0 / tot
+        for d in range(D):
+            o[d] *= w
+
+
+cdef const void* _ptr(cnp.ndarray a):
+    return <const void*>cnp.PyArray_DATA(a)
+
+
+def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float scale, int n_threads):
+    cdef Problem P
+    cdef Py_ssize_t n_items, it, n_base
+    cdef int nth = max(1, n_threads)
+    P.k1, P.v1, P.k2, P.v2 = _ptr(k1), _ptr(v1), _ptr(k2), _ptr(v2)
+    P.bf1 = k1.dtype == np.uint16
+    P.bf2 = k2.dtype == np.uint16
+    P.T1, P.T2 = k1.shape[0], k2.shape[0]
+    P.T_q, P.H_q, P.D = q.shape[0], q.shape[1], q.shape[2]
+    P.H_kv = k1.shape[1]
+    P.group = P.H_q // P.H_kv
+    P.Dp = (P.D + DK_CB - 1) // DK_CB * DK_CB
+    P.q_off = q_off
+    P.window = 0 if window is None else window
+    P.causal = causal
+    P.scale = scale
+    P.qb_t = max(1, QROWS // P.group)
+    P.n_qb = (P.T_q + P.qb_t - 1) // P.qb_t
+    P.rows = (min(P.qb_t, P.T_q) * P.group + RB - 1) // RB * RB
+    n_base = P.n_qb
+    P.split = 1
+    if n_base < SPLIT_ITEMS:
+        P.split = max(1, min((SPLIT_ITEMS + n_base - 1) // n_base, (P.T1 + P.T2) // SPLIT_MIN_KEYS))
+    n_items = n_base * P.split
+    cdef cnp.ndarray qa = q
+    cdef cnp.ndarray oa = out
+    cdef const float* qptr = <const float*>cnp.PyArray_DATA(qa)
+    cdef float* optr = <float*>cnp.PyArray_DATA(oa)
+    cdef cnp.ndarray pm, pl, pacc
+    cdef float* pmp = NULL
+    cdef float* plp = NULL
+    cdef float* pap = NULL
+    if P.split > 1:  # per-item partials (m, l, acc), merged in split order below
+        pm = np.empty(n_items * P.H_kv * P.rows, np.float32)
+        pl = np.empty(n_items * P.H_kv * P.rows, np.float32)
+        pacc = np.empty(n_items * P.H_kv * P.rows * P.Dp, np.float32)
+        pmp = <float*>cnp.PyArray_DATA(pm)
+        plp = <float*>cnp.PyArray_DATA(pl)
+        pap = <float*>cnp.PyArray_DATA(pacc)
+    nth = <int>min(<Py_ssize_t>nth, n_items)
+    cdef Py_ssize_t n_scratch = _scratch_size(&P)
+    cdef cnp.ndarray scratch = np.empty(nth * n_scratch, np.float32)
+    cdef float* sp = <float*>cnp.PyArray_DATA(scratch)
+    cdef cnp.ndarray remaining = np.full(n_base, P.split, np.intc)  # unfinished splits per query block
+    cdef int* rem = <int*>cnp.PyArray_DATA(remaining)
+    cdef Py_ssize_t g
+    with nogil:
+        for it in prange(n_items, num_threads=nth, schedule="dynamic"):
+            _item(&P, qptr, it, optr, pmp, plp, pap, sp + threadid() * n_scratch)
+            if P.split > 1 and dk_finish_split(rem + it // P.split):
+                for g in range(P.H_kv):
+                    _merge(&P, (it // P.split) * P.H_kv + g, optr, pmp, plp, pap)
+
+
+def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, out, *, int n_threads, float scale,
+                          bint causal_block, window):
+    _attend(q, k_ctx, v_ctx, k_blk, v_blk, out, k_ctx.shape[0], causal_block, window, scale, n_threads)
+
+
+def cached_attention(q, k_cache, v_cache, out, *, int n_threads, bint causal, float scale, window):
+    empty = k_cache[:0]
+    _attend(q, k_cache, v_cache, empty, empty, out, k_cache.shape[0] - q.shape[0], causal, window,
+            scale, n_threads)

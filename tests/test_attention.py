@@ -1,0 +1,204 @@
+"""Attention ops against the float64 torch reference; cython == numba; independence of n_threads."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import dflash_kernels as dk
+from dflash_kernels.reference import attention as ref
+
+from support import (KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close,
+                     make_float, readonly)
+
+DTYPES = st.sampled_from(["float32", "bfloat16"])
+WINDOWS = st.one_of(st.none(), st.integers(1, 40))
+
+
+def _injected_inputs(seed, t_q, t_ctx, h_kv, group, d, dtype, ctx_dtype=None):
+    rng = np.random.default_rng(seed)
+    q = make_float(rng, (t_q, h_kv * group, d), "float32")
+    kc = make_float(rng, (t_ctx, h_kv, d), ctx_dtype or dtype)
+    vc = make_float(rng, (t_ctx, h_kv, d), ctx_dtype or dtype)
+    kb = make_float(rng, (t_q, h_kv, d), dtype)
+    vb = make_float(rng, (t_q, h_kv, d), dtype)
+    return q, kc, vc, kb, vb
+
+
+def _cached_inputs(seed, t_q, t_kv, h_kv, group, d, dtype, q_dtype="float32"):
+    rng = np.random.default_rng(seed)
+    q = make_float(rng, (t_q, h_kv * group, d), q_dtype)
+    k = make_float(rng, (t_kv, h_kv, d), dtype)
+    v = make_float(rng, (t_kv, h_kv, d), dtype)
+    return q, k, v
+
+
+def _check_injected(args, backend, tol, **kw):
+    got = dk.injected_kv_attention(*args, backend=backend, **kw)
+    assert got.dtype == np.float32 and got.shape == args[0].shape
+    assert_close(got, ref.injected_kv_attention(*(as_f64(a) for a in args), **kw), **tol,
+                 what=f"injected_kv_attention {backend} {kw}")
+    return got
+
+
+def _check_cached(args, backend, tol, **kw):
+    got = dk.cached_attention(*args, backend=backend, **kw)
+    assert got.dtype == np.float32 and got.shape == args[0].shape
+    assert_close(got, ref.cached_attention(*(as_f64(a) for a in args), **kw), **tol,
+                 what=f"cached_attention {backend} {kw}")
+    return got
+
+
+@given(t_q=st.integers(1, 20), t_ctx=st.sampled_from([0, 1, 7, 64, 65, 150]), h_kv=st.integers(1, 3),
+       group=st.integers(1, 8), d=st.sampled_from([64, 128, 256]), dtype=DTYPES,
+       causal_block=st.booleans(), window=WINDOWS, seed=st.integers(0, 2**32 - 1))
+def test_injected_matches_reference(backend, t_q, t_ctx, h_kv, group, d, dtype, causal_block, window, seed):
+    args = _injected_inputs(seed, t_q, t_ctx, h_kv, group, d, dtype)
+    _check_injected(args, backend, TOLERANCE[dtype], causal_block=causal_block, window=window)
+
+
+@given(t_kv=st.integers(1, 200), t_q=st.sampled_from([1, 1, 2, 16, 17, 40]), h_kv=st.integers(1, 3),
+       group=st.integers(1, 8), d=st.sampled_from([64, 128, 256]), dtype=DTYPES, causal=st.booleans(),
+       window=WINDOWS, seed=st.integers(0, 2**32 - 1))
+def test_cached_matches_reference(backend, t_kv, t_q, h_kv, group, d, dtype, causal, window, seed):
+    args = _cached_inputs(seed, min(t_q, t_kv), t_kv, h_kv, group, d, dtype)
+    _check_cached(args, backend, TOLERANCE[dtype], causal=causal, window=window)
+
+
+@given(d=st.sampled_from([1, 8, 40, 72, 100]), t_q=st.integers(1, 9), t_ctx=st.integers(0, 80),
+       group=st.sampled_from([1, 3, 5]), causal_block=st.booleans(), window=WINDOWS,
+       seed=st.integers(0, 2**32 - 1))
+def test_odd_head_dims(kernel_backend, d, t_q, t_ctx, group, causal_block, window, seed):
+    args = _injected_inputs(seed, t_q, t_ctx, 2, group, d, "float32")
+    _check_injected(args, kernel_backend, TOLERANCE["float32"], causal_block=causal_block, window=window)
+    cargs = _cached_inputs(seed, t_q, t_ctx + t_q, 2, group, d, "bfloat16")
+    _check_cached(cargs, kernel_backend, TOLERANCE["bfloat16"], window=window)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prefill(kernel_backend, dtype, window):
+    """T_q = T_kv (many query blocks, causal tiles cut across the diagonal), like a prompt prefill."""
+    args = _cached_inputs(1, 300, 300, 2, 4, 64, dtype)
+    _check_cached(args, kernel_backend, TOLERANCE_LONG, window=window)
+
+
+@pytest.mark.parametrize("t_q", [1, 16])
+def test_long_context_key_splits(kernel_backend, t_q):
+    """Few query rows over thousands of keys: the key range is split and the partials merged."""
+    args = _cached_inputs(2, t_q, 3000, 8, 4, 128, "bfloat16")
+    _check_cached(args, kernel_backend, TOLERANCE_LONG)
+    iargs = _injected_inputs(3, t_q, 3000, 2, 4, 128, "float32")
+    _check_injected(iargs, kernel_backend, TOLERANCE_LONG, window=1000)
+
+
+@pytest.mark.parametrize("t_q,t_kv", [(1, 2000), (16, 2000), (200, 200)])
+def test_independent_of_n_threads(kernel_backend, t_q, t_kv):
+    args = _cached_inputs(4, t_q, t_kv, 4, 4, 64, "float32")
+    one = dk.cached_attention(*args, n_threads=1, backend=kernel_backend)
+    two = dk.cached_attention(*args, n_threads=2, backend=kernel_backend)
+    three = dk.cached_attention(*args, n_threads=3, backend=kernel_backend)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(one, three)
+
+
+@pytest.mark.skipif(len(KERNEL_BACKENDS) < 2, reason="needs both the cython and the numba backend")
+@given(t_q=st.integers(1, 20), t_ctx=st.integers(0, 700), group=st.integers(1, 6), dtype=DTYPES,
+       causal_block=st.booleans(), window=WINDOWS, seed=st.integers(0, 2**32 - 1))
+def test_cython_equals_numba(t_q, t_ctx, group, dtype, causal_block, window, seed):
+    args = _injected_inputs(seed, t_q, t_ctx, 2, group, 64, dtype)
+    kw = dict(causal_block=causal_block, window=window)
+    c = dk.injected_kv_attention(*args, backend="cython", **kw)
+    n = dk.injected_kv_attention(*args, backend="numba", **kw)
+    np.testing.assert_allclose(c, n, rtol=2e-6, atol=2e-6)
+
+
+def test_window_semantics(kernel_backend):
+    """A window covering everything is no window; window=1 with a causal block sees only itself."""
+    args = _injected_inputs(5, 6, 30, 2, 2, 64, "float32")
+    full = dk.injected_kv_attention(*args, causal_block=True, backend=kernel_backend)
+    np.testing.assert_array_equal(full, dk.injected_kv_attention(*args, causal_block=True, window=36,
+                                                                 backend=kernel_backend))
+    own = dk.injected_kv_attention(*args, causal_block=True, window=1, backend=kernel_backend)
+    v_blk = args[4]  # (T_q, H_kv, D): query head h reads kv head h // 2
+    np.testing.assert_allclose(own, np.repeat(v_blk, 2, axis=1), rtol=1e-6, atol=1e-6)
+
+
+def test_decode_rows_equal_prefill_rows(kernel_backend):
+    """Causal prefill row i equals decoding position i against the first i+1 cache rows."""
+    q, k, v = _cached_inputs(6, 70, 70, 2, 3, 64, "float32")
+    full = dk.cached_attention(q, k, v, backend=kernel_backend)
+    for i in (0, 1, 33, 69):
+        row = dk.cached_attention(q[i:i + 1], k[:i + 1], v[:i + 1], backend=kernel_backend)
+        np.testing.assert_allclose(row[0], full[i], rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_source_dtypes(kernel_backend):
+    """bf16 context cache with float32 block keys/values (each source read in its own dtype)."""
+    args = _injected_inputs(7, 16, 100, 2, 4, 128, "float32", ctx_dtype="bfloat16")
+    _check_injected(args, kernel_backend, TOLERANCE["bfloat16"])
+
+
+def test_torch_bf16_readonly_and_strided(backend):
+    q, k, v = _cached_inputs(8, 5, 40, 2, 2, 64, "bfloat16", q_dtype="bfloat16")
+    base = dk.cached_attention(q, k, v, backend=backend)
+    t = dk.cached_attention(as_torch(q), as_torch(k), as_torch(v), backend=backend)
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
+    np.testing.assert_array_equal(t.numpy(), base)
+    # read-only arrays (memory-mapped caches) are read in place; Numba compiles a separate variant
+    ro = dk.cached_attention(readonly(q), readonly(k), readonly(v), backend=backend)
+    np.testing.assert_allclose(ro, base, rtol=1e-6, atol=1e-6)
+    k_strided = np.ascontiguousarray(k.transpose(1, 0, 2)).transpose(1, 0, 2)  # (T_kv, H_kv, D) view
+    assert not k_strided.flags.c_contiguous
+    np.testing.assert_array_equal(dk.cached_attention(q, k_strided, v, backend=backend), base)
+    q32 = as_f64(q).float().numpy()
+    np.testing.assert_array_equal(dk.cached_attention(q32[:, ::-1][:, ::-1], k, v, backend=backend), base)
+
+
+def test_empty_queries_and_empty_context(backend):
+    q, k, v = _cached_inputs(9, 0, 10, 2, 2, 64, "float32")
+    assert dk.cached_attention(q, k, v, backend=backend).shape == (0, 4, 64)
+    assert dk.cached_attention(q, k[:0], v[:0], backend=backend).shape == (0, 4, 64)
+    e = np.zeros((0, 2, 64), np.float32)
+    assert dk.injected_kv_attention(q, e, e, e, e, backend=backend).shape == (0, 4, 64)
+
+
+def test_bad_input():
+    q, k, v = _cached_inputs(10, 4, 10, 2, 2, 64, "float32")
+    kb = k[:4]
+    with pytest.raises(ValueError, match="q"):
+        dk.cached_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="k_cache"):
+        dk.cached_attention(q, k[0], v[0])
+    with pytest.raises(ValueError, match="v_cache"):
+        dk.cached_attention(q, k, v[:5])
+    with pytest.raises(TypeError, match="v_cache"):
+        dk.cached_attention(q, k, v.astype(np.float64))
+    with pytest.raises(TypeError, match="q"):
+        dk.cached_attention(q.astype(np.float16), k, v)
+    with pytest.raises(ValueError, match="heads"):
+        dk.cached_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="head dim"):
+        dk.cached_attention(q[..., :32], k, v)
+    with pytest.raises(ValueError, match="T_q <= T_kv"):
+        dk.cached_attention(q, k[:3], v[:3])
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="window"):
+            dk.cached_attention(q, k, v, window=bad)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            dk.cached_attention(q, k, v, scale=bad)
+    with pytest.raises(TypeError, match="scale"):
+        dk.cached_attention(q, k, v, scale="1")
+    with pytest.raises(ValueError, match="k_blk"):
+        dk.injected_kv_attention(q, k, v, k[:5], v[:5])
+    with pytest.raises(ValueError, match="k_blk"):
+        dk.injected_kv_attention(q, k, v, k[:4, :1], v[:4, :1])
+    with pytest.raises(TypeError, match="k_blk"):
+        dk.injected_kv_attention(q, k, v, kb.astype(np.float64), kb.astype(np.float64))
+    with pytest.raises(ValueError, match="head dim"):
+        dk.injected_kv_attention(q, k[..., :32], v[..., :32], kb, kb)
+    with pytest.raises(ValueError, match="n_threads"):
+        dk.cached_attention(q, k, v, n_threads=0)
+    with pytest.raises(ValueError, match="backend"):
+        dk.cached_attention(q, k, v, backend="fortran")

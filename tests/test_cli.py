@@ -1,0 +1,73 @@
+"""The `dflash` command line end to end on tiny checkpoints written by the tests."""
+
+import json
+
+import pytest
+
+from checkpoints import write_dflash, write_qwen3
+from dflash_kernels.model.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = write_qwen3(root / "target", hot_tokens=24)
+    drafter = write_dflash(root / "drafter", target)
+    return target, drafter
+
+
+def test_generate_streams_text(pair, capsys):
+    target, drafter = pair
+    rc = main(["generate", "hello world", "--target", str(target), "--drafter", str(drafter),
+               "--max-new-tokens", "10"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("hello world") and "tok/s" in captured.err
+
+
+def test_generate_bad_target_is_a_clear_error(tmp_path, capsys):
+    rc = main(["generate", "x", "--target", str(tmp_path / "nope")])
+    assert rc == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_bench_writes_json_markdown_and_plots(pair, tmp_path, capsys):
+    target, drafter = pair
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hello", "world of tokens", "abc abc"]))
+    rc = main(["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
+               "--max-new-tokens", "12", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    modes = {(r["mode"], r["temperature"]) for r in report["rows"]}
+    assert modes == {("autoregressive", 0.0), ("dflash", 0.0), ("autoregressive", 0.7), ("dflash", 0.7)}
+    assert report["greedy_identical"] == {"0.0": True}
+    for png in ("tau_histogram.png", "per_position_acceptance.png", "throughput_vs_k.png"):
+        pytest.importorskip("matplotlib")
+        assert (tmp_path / "out" / png).stat().st_size > 1000
+    assert "| dflash |" in capsys.readouterr().out
+
+
+def test_tune_picks_and_stores_best_k(pair, tmp_path, monkeypatch, capsys):
+    from dflash_kernels.model import load
+    from dflash_kernels.model.benchmark import run_tune, tuned_num_speculative_tokens
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    target, drafter = pair
+    eng = load(target, drafter)
+    result = run_tune(eng, prompts=["hello", "abc"], max_new_tokens=10, ks=[1, 3, 5])
+    best = max(result["sweep"], key=lambda s: s["tokens_per_second"])["k"]
+    assert result["best_k"] == best
+    assert tuned_num_speculative_tokens(eng) == best
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backend cython" in out and "default" in out
+
+
+def test_validate_passes_on_this_machine(capsys):
+    assert main(["validate"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and " 0 failed" in out

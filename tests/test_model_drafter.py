@@ -1,0 +1,91 @@
+"""DFlash drafter on the dk kernels vs dflash_kernels/reference/drafter.py (plain torch, float64)."""
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_kernels.model as dm
+from checkpoints import ckpt_dir, write_dflash  # noqa: F401  (fixture)
+from dflash_kernels.reference.drafter import drafter_hidden
+from support import as_f64, assert_close
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+DRAFTERS = {
+    "full-b16": dict(layers=2, block_size=16, target_layer_ids=(0, 2)),
+    "sliding-b8": dict(layers=3, block_size=8, target_layer_ids=(2, 0, 1), sliding=True, window=6),
+    "causal-override": dict(layers=2, block_size=8, target_layer_ids=(1,), is_causal=True),
+    "default-taps-toplevel-block": dict(layers=3, block_size=6, target_layer_ids=None, top_level_block=True),
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(ckpt_dir):
+    return ckpt_dir("target", shards=2, tie=False, style="v5")
+
+
+def build(target_dir, drafter_dir):
+    tcfg = dm.load_qwen3_config(target_dir)
+    dcfg = dm.load_dflash_config(drafter_dir, tcfg.num_hidden_layers)
+    tt, to = dm.read_checkpoint(target_dir)
+    target = dm.Qwen3Model(tcfg, tt, to, tap_layer_ids=dcfg.target_layer_ids)
+    dt, do = dm.read_checkpoint(drafter_dir)
+    drafter = dm.DFlashDrafter(dcfg, dt, target.embed, target.lm_head, origin=do, target_hidden=tcfg.hidden_size)
+    return target, drafter, dcfg, dt
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_drafter_matches_reference_over_rounds(tmp_path, target_dir, name):
+    d = write_dflash(tmp_path / name, target_dir, **DRAFTERS[name])
+    target, drafter, dcfg, dt = build(target_dir, d)
+    weights = {k: as_f64(v) for k, v in dt.items()}
+    embed = as_f64(np.asarray(target.embed))
+    lm_head = as_f64(np.asarray(target.lm_head))
+    cache, ctx = target.new_cache(96), drafter.new_cache(96)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 380, 9).tolist()
+    _, taps = target.forward(prompt, cache)
+    all_taps = [taps]
+    drafter.add_context(taps, ctx)
+    anchor = int(rng.integers(0, 380))
+    for rnd in range(4):  # context grows by a different accepted count each round
+        k = [dcfg.block_size - 1, 3, 1, dcfg.block_size - 2][rnd]
+        h = drafter.block_hidden(anchor, k, ctx)
+        block = torch.cat([embed[anchor : anchor + 1], embed[dcfg.mask_token_id].expand(k, -1)])
+        ref = drafter_hidden(weights, dcfg, as_f64(np.concatenate(all_taps)), block)
+        assert_close(h, ref, **TOL, what=f"{name} round {rnd} hidden")
+        drafts = drafter.draft(anchor, k, ctx)
+        ref_logits = ref[1:] @ lm_head.T
+        top2 = torch.topk(ref_logits, 2).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # compare ids where the argmax is not a near-tie
+        assert np.array_equal(np.asarray(drafts)[clear.numpy()], torch.argmax(ref_logits, -1)[clear].numpy())
+        # commit: verify [anchor, drafts] in the target, keep a+1 rows of taps as new context
+        a = min(rnd % 3, k)
+        start = cache.length
+        _, vt = target.forward([anchor, *np.asarray(drafts).tolist()], cache)
+        cache.truncate(start + a + 1)
+        drafter.add_context(vt[: a + 1], ctx)
+        all_taps.append(vt[: a + 1])
+        anchor = int(rng.integers(0, 380))
+        assert ctx.length == cache.length
+
+
+def test_sliding_window_matters(tmp_path, target_dir):
+    """A sliding layer run as full attention gives different drafts at long context (dflash.md 9)."""
+    d = write_dflash(tmp_path / "sl", target_dir, layers=2, block_size=8, target_layer_ids=(1,), sliding=True, window=3)
+    target, drafter, dcfg, dt = build(target_dir, d)
+    cache, ctx = target.new_cache(64), drafter.new_cache(64)
+    _, taps = target.forward(list(range(5, 40)), cache)
+    drafter.add_context(taps, ctx)
+    h = drafter.block_hidden(9, 7, ctx)
+    weights = {k: as_f64(v) for k, v in dt.items()}
+    embed = as_f64(np.asarray(target.embed))
+    block = torch.cat([embed[9:10], embed[dcfg.mask_token_id].expand(7, -1)])
+    full = drafter_hidden(weights, dcfg, as_f64(taps), block, windows=[None, None], causal=False)
+    assert np.abs(np.asarray(h) - full.numpy()).max() > 1e-2
+
+
+def test_default_tap_rule():
+    assert dm.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dm.default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert dm.default_target_layer_ids(36, 1) == [18]

@@ -1,0 +1,302 @@
+"""The speculative decoding engine: lossless greedy and sampling, stops, limits, metrics.
+
+Tiny random checkpoints (tests/checkpoints.py). The "hot" target has one lm_head row aligned with a
+direction shared by every embedding, so the random drafter's drafts are accepted in a fair share of
+rounds (tau ~ 1.5-2.5): both the accept and the reject paths run in every test.
+Kernels run with n_threads=1 (tiny shapes; no thread launch cost in the tests).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import dflash_kernels as dk
+import dflash_kernels.model as dm
+from checkpoints import ckpt_dir, special_id, write_dflash  # noqa: F401  (fixture)
+
+N_PROMPTS = 20
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hot(ckpt_dir, tmp_path_factory):
+    t = ckpt_dir("hot", tie=False, hot_tokens=1, hot_scale=40.0, shards=2)
+    d = write_dflash(tmp_path_factory.mktemp("hotd"), t, layers=2, block_size=16, target_layer_ids=(0, 2))
+    return dm.load(t, d, max_len=128, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def warm(ckpt_dir, tmp_path_factory):
+    """Less peaked than `hot`: at T=0.7 the first tokens spread over several ids."""
+    t = ckpt_dir("warm", tie=False, hot_tokens=1, hot_scale=32.0)
+    d = write_dflash(tmp_path_factory.mktemp("warmd"), t, layers=2, block_size=16, target_layer_ids=(0, 2))
+    return dm.load(t, d, max_len=128, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt_dir, tmp_path_factory):
+    t = ckpt_dir("plain", tie=True, style="v5")
+    d = write_dflash(tmp_path_factory.mktemp("pd"), t, layers=3, block_size=8, target_layer_ids=None,
+                     sliding=True, window=5)
+    return dm.load(t, d, max_len=128, n_threads=1)
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 320, int(rng.integers(1, 13))).tolist() for _ in range(n)]
+
+
+def test_greedy_lossless_every_k(hot):
+    """DFlash greedy == AR greedy, token for token, 20 prompts x k = 1..15 (~300 runs, ~10 s)."""
+    hist = {}
+    for p in prompts(N_PROMPTS):
+        ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True)
+        assert len(ref.token_ids) == NEW_TOKENS and ref.metrics.rounds == NEW_TOKENS - 1
+        for k in range(1, 16):
+            res = hot.generate(p, NEW_TOKENS, num_speculative_tokens=k, ignore_eos=True)
+            assert res.token_ids == ref.token_ids, f"prompt {p} k={k}"
+            for n, c in res.metrics.tau_histogram.items():
+                hist[n] = hist.get(n, 0) + c
+    # the test is only meaningful if drafts were both rejected and accepted, in runs of several
+    assert hist.get(1, 0) > 0 and sum(c for n, c in hist.items() if n >= 3) > 0, hist
+
+
+def test_greedy_lossless_sliding_drafter_default_taps(plain):
+    for p in prompts(6, seed=1):
+        ref = plain.generate(p, 20, num_speculative_tokens=0, ignore_eos=True)
+        for k in (1, 4, 7):
+            assert plain.generate(p, 20, num_speculative_tokens=k, ignore_eos=True).token_ids == ref.token_ids
+
+
+def test_default_k_and_text_prompt(plain):
+    assert plain.default_num_speculative_tokens == 7
+    text = "The quick brown fox"
+    ids = plain.encode(text)
+    a = plain.generate(text, 10, ignore_eos=True)
+    b = plain.generate(ids, 10, num_speculative_tokens=0, ignore_eos=True)
+    assert a.prompt_ids == ids and a.token_ids == b.token_ids
+    assert a.text == plain.tokenizer.decode(a.token_ids)
+
+
+def test_max_new_tokens_exact_and_cache_limit(hot, ckpt_dir):
+    p = [3, 1, 4, 1, 5]
+    ref = hot.generate(p, 12, num_speculative_tokens=0, ignore_eos=True).token_ids
+    for n in range(1, 12):
+        res = hot.generate(p, n, num_speculative_tokens=15, ignore_eos=True)
+        assert res.token_ids == ref[:n] and res.finish_reason == "length"
+    zero = hot.generate(p, 0)
+    assert zero.token_ids == [] and zero.text == "" and zero.finish_reason == "length"
+    # a 16-position cache holds the prompt and all but the last generated token
+    small = dm.load(ckpt_dir("hot"), None, max_len=16, n_threads=1)
+    res = small.generate(list(range(10)), 50, ignore_eos=True)
+    assert res.finish_reason == "max_len" and len(res.token_ids) == 16 - 10 + 1
+    assert res.token_ids == hot.generate(list(range(10)), 7, num_speculative_tokens=0, ignore_eos=True).token_ids
+
+
+def test_stop_tokens_only_new_tokens(hot):
+    p = [0, 7, 0, 9]  # the stop id inside the prompt must not stop anything
+    ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
+    stop = next(t for t in ref[2:] if t not in ref[:2])  # a token first generated mid-way
+    cut = ref.index(stop)
+    for k in (0, 5, 15):
+        res = hot.generate(p, NEW_TOKENS, num_speculative_tokens=k, stop=[stop], ignore_eos=True)
+        assert res.token_ids == ref[: cut + 1] and res.finish_reason == "stop", k
+        assert res.text == hot.tokenizer.decode(ref[:cut])
+    # the drafter's mask id as a stop id never matches the drafted block (dflash.md 9)
+    mask = hot.drafter.cfg.mask_token_id
+    if mask not in ref:
+        assert hot.generate(p, NEW_TOKENS, stop=[mask], ignore_eos=True).token_ids == ref
+    # default stops come from generation_config.json (list) + config eos
+    assert set(hot.stop_ids) == {special_id("<|im_end|>"), special_id("<|endoftext|>")}
+
+
+def test_stop_string(plain):
+    ref = plain.generate([5, 6, 7], 20, ignore_eos=True)
+    text = ref.text
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    if not needle.strip() or "\ufffd" in needle:
+        pytest.skip("random text without a usable two-character needle")
+    res = plain.generate([5, 6, 7], 20, stop=[needle], ignore_eos=True)
+    assert res.finish_reason == "stop" and needle not in res.text and text.startswith(res.text)
+
+
+def test_streaming_pieces_add_up(plain):
+    pieces, ids = [], []
+    def stream(new_ids, text):
+        ids.extend(new_ids)
+        pieces.append(text)
+
+    res = plain.generate([11, 12, 13], 16, ignore_eos=True, stream=stream)
+    assert ids == res.token_ids
+    assert "".join(pieces) == plain.tokenizer.decode(res.token_ids)
+
+
+def test_metrics(hot):
+    hot.reset_metrics()
+    res = hot.generate([1, 2, 3], 30, num_speculative_tokens=7, ignore_eos=True)
+    m = res.metrics
+    assert m.rounds == len(m.accepted) == len(m.drafted) > 0
+    assert m.tau == pytest.approx(np.mean(m.accepted) + 1)
+    assert 1.0 <= m.tau <= 8.0 and 0.0 <= m.acceptance_rate <= 1.0
+    assert m.acceptance_rate == pytest.approx(sum(m.accepted) / sum(m.drafted))
+    assert sum(m.tau_histogram.values()) == m.rounds
+    assert len(m.per_position_acceptance) == 7
+    assert all(0.0 <= a <= 1.0 for a in m.per_position_acceptance)
+    drafted = np.asarray(m.drafted) > 0
+    assert m.per_position_acceptance[0] == pytest.approx(np.mean(np.asarray(m.accepted)[drafted] > 0))
+    assert 1 + sum(a + 1 for a in m.accepted) >= m.generated_tokens == 30
+    assert m.tokens_per_second > 0 and m.overhead_s >= 0 and m.kernel_s > 0
+    assert m.prefill_s > 0 and m.draft_s > 0 and m.verify_s > 0 and m.accept_s >= 0
+    s = m.summary()
+    assert s["rounds"] == m.rounds and "overhead_per_round_us" in s
+    hot.generate([4, 5], 10, num_speculative_tokens=3, ignore_eos=True)
+    agg = hot.aggregate_metrics()
+    assert agg.calls == 2 and agg.rounds == m.rounds + hot.history[1].rounds
+    assert agg.generated_tokens == 40
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+
+def _softmax(logits, temperature):
+    z = logits.astype(np.float64) / temperature
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _target_probs(eng, ids, temperature):
+    cache = eng.target.new_cache(64)
+    h, _ = eng.target.forward(ids, cache, last_only=True, taps=False)
+    return _softmax(eng.target.logits(h)[0], temperature)
+
+
+def _chi2_ok(counts: dict, probs: np.ndarray, z: float = 3.29):
+    """Pearson chi-square of observed counts vs probs (cells with expected < 5 pooled); True if the
+    statistic is below the Wilson-Hilferty approximation of the 1 - 5e-4 quantile."""
+    n = sum(counts.values())
+    exp = probs * n
+    big = np.flatnonzero(exp >= 5)
+    obs_big = np.array([counts.get(int(i), 0) for i in big], float)
+    rest_obs = n - obs_big.sum()
+    rest_exp = n - exp[big].sum()
+    stat = float(((obs_big - exp[big]) ** 2 / exp[big]).sum())
+    df = len(big) - 1
+    if rest_exp >= 1:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    if df < 1:
+        return True, stat, 0.0
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, stat, crit
+
+
+def test_sampling_follows_target_distribution(warm):
+    """Tokens 1-3 sampled by DFlash (k=3, T=0.7) follow p(t1), p(t2|t1), p(t3|t1,t2) exactly.
+
+    Token 1 comes from the prefill, token 2 from verify row 0 (accepted draft or the residual
+    p - one_hot(draft)), token 3 from row 1 (second draft or bonus) or the next round.
+    """
+    T, N = 0.7, 700
+    prompt = [9, 8, 7, 6]
+    warm.reset_metrics()
+    samples = [tuple(warm.generate(prompt, 4, temperature=T, seed=s, num_speculative_tokens=3,
+                                   ignore_eos=True).token_ids) for s in range(N)]
+    hist = warm.aggregate_metrics().tau_histogram
+    assert hist.get(1, 0) > 50 and hist.get(2, 0) > 50, hist  # both rejections and acceptances
+    # position 1 (the verify row-0 rejection path) and position 2 (accepted-draft path) are checked
+    checks = [((), 0)]
+    first = {}
+    for s in samples:
+        first.setdefault(s[0], []).append(s)
+    checks += [((t1,), 1) for t1, group in first.items() if len(group) >= 60]
+    second = {}
+    for s in samples:
+        second.setdefault(s[:2], []).append(s)
+    checks += [(pre, 2) for pre, group in second.items() if len(group) >= 60]
+    assert len(checks) >= 4, "too few large groups for a conditional test"
+    for prefix, pos in checks:
+        group = [s for s in samples if s[:pos] == prefix]
+        counts = {}
+        for s in group:
+            counts[s[pos]] = counts.get(s[pos], 0) + 1
+        ok, stat, crit = _chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
+        assert ok, f"prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f} with {len(group)} samples"
+
+
+def test_sampling_ar_matches_distribution_and_seed(warm):
+    hot = warm
+    T, N = 0.7, 300
+    prompt = [9, 8, 7, 6]
+    counts = {}
+    for s in range(N):
+        t = hot.generate(prompt, 1, temperature=T, seed=1000 + s, num_speculative_tokens=0).token_ids[0]
+        counts[t] = counts.get(t, 0) + 1
+    ok, stat, crit = _chi2_ok(counts, _target_probs(hot, prompt, T))
+    assert ok, f"AR first token chi2 {stat:.1f} >= {crit:.1f}"
+    a = hot.generate(prompt, 20, temperature=T, seed=42, ignore_eos=True).token_ids
+    b = hot.generate(prompt, 20, temperature=T, seed=42, ignore_eos=True).token_ids
+    c = hot.generate(prompt, 20, temperature=T, seed=43, ignore_eos=True).token_ids
+    assert a == b and a != c
+
+
+def test_sampling_top_k_top_p_support(hot):
+    """With top_k=2 every sampled token is among the target's top-2 at its position."""
+    prompt = [1, 2, 3]
+    for seed in range(15):
+        res = hot.generate(prompt, 12, temperature=1.5, top_k=2, seed=seed, num_speculative_tokens=5, ignore_eos=True)
+        ids = prompt + res.token_ids
+        cache = hot.target.new_cache(64)
+        h, _ = hot.target.forward(ids[:-1], cache, taps=False)
+        logits = hot.target.logits(h)[len(prompt) - 1 :]
+        top2 = np.argsort(-logits, axis=-1, kind="stable")[:, :2]
+        assert all(t in row for t, row in zip(res.token_ids, top2)), seed
+    res = hot.generate(prompt, 12, temperature=1.0, top_p=1e-6, seed=0, num_speculative_tokens=5, ignore_eos=True)
+    assert res.token_ids == hot.generate(prompt, 12, num_speculative_tokens=0, ignore_eos=True).token_ids
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_generate_bad_input(hot, ckpt_dir):
+    with pytest.raises(ValueError, match="empty"):
+        hot.generate([], 5)
+    with pytest.raises(ValueError, match="empty"):
+        hot.generate("", 5)
+    with pytest.raises(ValueError, match="max_len"):
+        hot.generate(list(range(128)), 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hot.generate([1], -1)
+    with pytest.raises(ValueError, match="token ids"):
+        hot.generate([1, 10_000], 3)
+    with pytest.raises(TypeError, match="sequence of token ids"):
+        hot.generate([1.5, 2.0], 3)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        hot.generate([1], 3, num_speculative_tokens=16)
+    with pytest.raises(ValueError, match="temperature"):
+        hot.generate([1], 3, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        hot.generate([1], 3, top_p=0.0)
+    ar = dm.load(ckpt_dir("hot"), max_len=32, n_threads=1)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        ar.generate([1], 3, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        dm.load(ckpt_dir("hot"), max_len=10**6)
+
+
+def test_chunked_prefill_with_drafter(plain):
+    """The drafter context built chunk by chunk during a chunked prefill gives the same drafts."""
+    chunked = dm.load(plain.target_dir, plain.drafter_dir, max_len=128, n_threads=1, prefill_chunk=3)
+    p = list(range(40, 57))
+    ref = plain.generate(p, 16, num_speculative_tokens=0, ignore_eos=True).token_ids
+    a = plain.generate(p, 16, num_speculative_tokens=7, ignore_eos=True)
+    b = chunked.generate(p, 16, num_speculative_tokens=7, ignore_eos=True)
+    assert a.token_ids == b.token_ids == ref
+    assert a.metrics.accepted == b.metrics.accepted
+
+
+@pytest.mark.parametrize("backend", list(dk.available_backends()))
+def test_every_backend_same_greedy_tokens(plain, backend):
+    eng = dm.load(plain.target_dir, plain.drafter_dir, max_len=64, n_threads=1, backend=backend)
+    p = [21, 22, 23, 24]
+    ref = plain.generate(p, 12, num_speculative_tokens=0, ignore_eos=True).token_ids
+    assert eng.generate(p, 12, num_speculative_tokens=5, ignore_eos=True).token_ids == ref
+    assert eng.generate(p, 12, num_speculative_tokens=0, ignore_eos=True).token_ids == ref
