@@ -36,7 +36,8 @@ def test_denoise_block(benchmark, contender, drafter_head, temperature):
             fn = lambda: torch.nn.functional.linear(hidden, lm_head_f32).argmax(-1)
         else:
             g = torch.Generator().manual_seed(1)
-            fn = lambda: torch.multinomial(torch.softmax(torch.nn.functional.linear(hidden, lm_head_f32) / temperature, -1), 1, generator=g)
+            fn = lambda: torch.multinomial(  # noqa: E731
+                torch.softmax(torch.nn.functional.linear(hidden, lm_head_f32) / temperature, -1), 1, generator=g)
     else:
         fn = lambda: dk.denoise_block(hidden, lm_head, temperature=temperature, generator=1, backend=contender,
                                       n_threads=THREADS)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ._dispatch import run
-from ._tensors import any_torch, dtype_name, float_array, index_array, wrap
+from ._tensors import any_torch, float_array, index_array, wrap
 
 # kernel status codes (see dflash_kernels/_numba/acceptance.py)
 _STATUS = {1: "contains NaN or +inf", 2: "has no finite logit (all -inf)",
@@ -174,7 +174,8 @@ def rejection_sample(draft_tokens, target_logits, *, draft_probs=None, temperatu
         if unbatched and q.ndim == 2:
             q = q[None]
         if q.shape != (b_sz, k, v_sz):
-            raise ValueError(f"draft_probs must have shape ({b_sz}, {k}, {v_sz}), got {tuple(np.shape(draft_probs))}")
+            raise ValueError(f"draft_probs must have shape ({b_sz}, {k}, {v_sz}), "
+                             f"got {tuple(np.shape(draft_probs))}")
     nd = _num_draft(num_draft, b_sz, k)
     _check_used(d, nd, "draft_tokens", v_sz)
     if uniforms is None:

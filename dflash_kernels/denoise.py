@@ -66,7 +66,8 @@ def make_draft_block(anchor_ids, mask_token_id, block_size, *, vocab_size=None, 
     resolve(backend, "denoise")
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0:
+    if (isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral)
+            or mask_token_id < 0):
         raise ValueError(f"mask_token_id must be an int >= 0, got {mask_token_id!r}")
     if vocab_size is not None and mask_token_id >= vocab_size:
         raise ValueError(f"mask_token_id must be < vocab_size {vocab_size}, got {mask_token_id}")

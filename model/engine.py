@@ -249,7 +249,8 @@ class _Run:
         hidden, _ = target.forward(ids, cache, last_only=True, taps=use_draft,
                                    on_taps=(lambda t: drafter.add_context(t, ctx)) if use_draft else None)
         done = self._commit([self._choose(hidden)])
-        m.prefill_s = perf_counter() - t_start
+        callback0 = self.callback_s  # the user's stream callback is not our time
+        m.prefill_s = perf_counter() - t_start - callback0
         kernel0 = ops.kernel_s
         anchor = self.out[-1]
         while not done:
@@ -263,8 +264,8 @@ class _Run:
             if kk <= 0:  # autoregressive step (no drafter, or the last token of the budget)
                 t1 = t0
                 hidden, _ = target.forward([anchor], cache, taps=False)
+                new = [self._choose(hidden)]  # the target's choice counts as verification time
                 t2 = perf_counter()
-                new = [self._choose(hidden)]
                 a = 0
             else:
                 drafts = drafter.draft(anchor, kk, ctx)  # (k,)
@@ -296,7 +297,7 @@ class _Run:
         if self.finish is None:
             self.finish = "length"
         m.kernel_s = ops.kernel_s - kernel0
-        m.accept_s -= self.callback_s
+        m.accept_s -= self.callback_s - callback0
         m.generated_tokens = len(self.out)
         m.total_s = perf_counter() - t_start - self.callback_s
 

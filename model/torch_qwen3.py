@@ -124,8 +124,8 @@ class Qwen3LM(nn.Module):
                 k, v = torch.cat([cache[i][0], k], 1), torch.cat([cache[i][1], v], 1)
             new_cache.append((k, v))
             x = layer.mlp_block(x + layer.self_attn.attend(h, pos, theta, k, v, causal))
-            if i in taps:
-                tapped[i] = x
+            if i in taps:  # HF hidden_states[i + 1]; the last entry there is final-normed
+                tapped[i] = self.model.norm(x) if i == len(self.model.layers) - 1 else x
         return self.lm_head(self.model.norm(x)), [tapped[i] for i in taps], new_cache
 
 

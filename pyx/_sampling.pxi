@@ -5,7 +5,7 @@
 # with float64 sums per block of BS entries (bsum) so that an inverse-CDF draw rescans one block.
 # Same algorithm, step for step, as dflash_kernels/_numba/acceptance.py.
 
-from libc.math cimport floorf, INFINITY
+from libc.math cimport INFINITY
 
 cdef extern from *:
     """

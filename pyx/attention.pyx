@@ -43,21 +43,24 @@ cdef extern from *:
         return x < -87.0f ? 0.0f : p * two_n.f;
     }
 
-    /* Ask for a K or V row ahead of use: one kv head's rows are H_kv * D elements apart, often a
-       whole page, and hardware prefetchers do not follow strides across pages. */
+    /* Ask for a K or V row ahead of use (into L2): one kv head's rows are H_kv * D elements apart,
+       often a whole page, and hardware prefetchers do not follow strides across pages. */
     static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
-        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 3);
+        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 2);
     }
 
-    /* Register-blocked micro-kernels, written with GCC vector extensions so the 8 accumulators
-       (4 rows x 2 vectors) stay in registers: DK_W floats per vector, 16 with AVX-512, else 8 (AVX;
-       plain SSE targets get pairs). A block covers DK_CB = 2 * DK_W keys (in S) or dims (in P V). */
+    /* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
+       (4 rows x DK_NV vectors of DK_W floats) stay in registers: with AVX-512 (32 registers)
+       4 x 4 vectors of 16, else 4 x 2 vectors of 8 (AVX; plain SSE targets get pairs). A block
+       covers DK_CB = DK_NV * DK_W keys (in S) or head dims (in P V). */
     #if defined(__AVX512F__)
     #define DK_W 16
+    #define DK_NV 4
     #else
     #define DK_W 8
+    #define DK_NV 2
     #endif
-    #define DK_CB (2 * DK_W)
+    #define DK_CB (DK_NV * DK_W)
     typedef float dk_vf __attribute__((vector_size(DK_W * 4), aligned(4)));
     #define DK_LD(p) (*(const dk_vf*)(p))
     #define DK_ST(p, x) (*(dk_vf*)(p) = (x))
@@ -65,40 +68,100 @@ cdef extern from *:
     /* s[0:4, 0:CB] (row stride lds) = q[0:4, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
     static inline void dk_qk_block(const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
                                    float* s, Py_ssize_t lds) {
-        dk_vf a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+        dk_vf a[4][DK_NV];
+        for (int i = 0; i < 4; i++)
+            for (int v = 0; v < DK_NV; v++) a[i][v] = (dk_vf){0};
         for (Py_ssize_t d = 0; d < D; d++) {
-            dk_vf k0 = DK_LD(kt + d * ldk), k1 = DK_LD(kt + d * ldk + DK_W);
-            float q0 = q[d], q1 = q[D + d], q2 = q[2 * D + d], q3 = q[3 * D + d];
-            a00 += q0 * k0; a01 += q0 * k1;
-            a10 += q1 * k0; a11 += q1 * k1;
-            a20 += q2 * k0; a21 += q2 * k1;
-            a30 += q3 * k0; a31 += q3 * k1;
+            dk_vf k[DK_NV];
+            for (int v = 0; v < DK_NV; v++) k[v] = DK_LD(kt + d * ldk + v * DK_W);
+            for (int i = 0; i < 4; i++) {
+                float qi = q[i * D + d];
+                for (int v = 0; v < DK_NV; v++) a[i][v] += qi * k[v];
+            }
         }
-        DK_ST(s, a00); DK_ST(s + DK_W, a01);
-        DK_ST(s + lds, a10); DK_ST(s + lds + DK_W, a11);
-        DK_ST(s + 2 * lds, a20); DK_ST(s + 2 * lds + DK_W, a21);
-        DK_ST(s + 3 * lds, a30); DK_ST(s + 3 * lds + DK_W, a31);
+        for (int i = 0; i < 4; i++)
+            for (int v = 0; v < DK_NV; v++) DK_ST(s + i * lds + v * DK_W, a[i][v]);
     }
 
     /* acc[0:4, 0:CB] (row stride lda) += p[0:4, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
-    static inline void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v,
+    static inline void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
                                    Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
-        dk_vf a00 = DK_LD(acc), a01 = DK_LD(acc + DK_W);
-        dk_vf a10 = DK_LD(acc + lda), a11 = DK_LD(acc + lda + DK_W);
-        dk_vf a20 = DK_LD(acc + 2 * lda), a21 = DK_LD(acc + 2 * lda + DK_W);
-        dk_vf a30 = DK_LD(acc + 3 * lda), a31 = DK_LD(acc + 3 * lda + DK_W);
+        dk_vf a[4][DK_NV];
+        for (int i = 0; i < 4; i++)
+            for (int v = 0; v < DK_NV; v++) a[i][v] = DK_LD(acc + i * lda + v * DK_W);
         for (Py_ssize_t c = 0; c < n; c++) {
-            dk_vf v0 = DK_LD(v + c * ldv), v1 = DK_LD(v + c * ldv + DK_W);
-            float p0 = p[c], p1 = p[ldp + c], p2 = p[2 * ldp + c], p3 = p[3 * ldp + c];
-            a00 += p0 * v0; a01 += p0 * v1;
-            a10 += p1 * v0; a11 += p1 * v1;
-            a20 += p2 * v0; a21 += p2 * v1;
-            a30 += p3 * v0; a31 += p3 * v1;
+            dk_vf x[DK_NV];
+            for (int v = 0; v < DK_NV; v++) x[v] = DK_LD(vm + c * ldv + v * DK_W);
+            for (int i = 0; i < 4; i++) {
+                float pi = p[i * ldp + c];
+                for (int v = 0; v < DK_NV; v++) a[i][v] += pi * x[v];
+            }
         }
-        DK_ST(acc, a00); DK_ST(acc + DK_W, a01);
-        DK_ST(acc + lda, a10); DK_ST(acc + lda + DK_W, a11);
-        DK_ST(acc + 2 * lda, a20); DK_ST(acc + 2 * lda + DK_W, a21);
-        DK_ST(acc + 3 * lda, a30); DK_ST(acc + 3 * lda + DK_W, a31);
+        for (int i = 0; i < 4; i++)
+            for (int v = 0; v < DK_NV; v++) DK_ST(acc + i * lda + v * DK_W, a[i][v]);
+    }
+
+    /* One stored element (float32, or bf16 bits: exact upcast by << 16). */
+    static inline float dk_get(const void* base, int bf16, Py_ssize_t i) {
+        if (bf16) {
+            union { unsigned int u; float f; } x;
+            x.u = (unsigned int)((const unsigned short*)base)[i] << 16;
+            return x.f;
+        }
+        return ((const float*)base)[i];
+    }
+
+    #if defined(__AVX2__)
+    #include <immintrin.h>
+    static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
+        if (bf16) {
+            __m128i h = _mm_loadu_si128((const __m128i*)((const unsigned short*)base + i));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return _mm256_loadu_ps((const float*)base + i);
+    }
+    #endif
+
+    /* kt[d * ldt + c] = element d of source row c (rows `stride` elements apart), c < n, d < D:
+       the K tile transposed (and upcast), in 8 x 8 register transposes where AVX2 allows. */
+    static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                           float* kt, Py_ssize_t ldt) {
+        Py_ssize_t c = 0;
+    #if defined(__AVX2__)
+        Py_ssize_t D8 = D / 8 * 8;
+        for (; c + 8 <= n; c += 8) {
+            for (Py_ssize_t d = 0; d < D8; d += 8) {
+                Py_ssize_t o = c * stride + d;
+                __m256 r0 = dk_ld8(base, bf16, o), r1 = dk_ld8(base, bf16, o + stride);
+                __m256 r2 = dk_ld8(base, bf16, o + 2 * stride), r3 = dk_ld8(base, bf16, o + 3 * stride);
+                __m256 r4 = dk_ld8(base, bf16, o + 4 * stride), r5 = dk_ld8(base, bf16, o + 5 * stride);
+                __m256 r6 = dk_ld8(base, bf16, o + 6 * stride), r7 = dk_ld8(base, bf16, o + 7 * stride);
+                __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+                __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+                __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+                __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+                __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+                __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+                __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+                __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                float* dst = kt + d * ldt + c;
+                _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+                _mm256_storeu_ps(dst + ldt, _mm256_permute2f128_ps(u1, u5, 0x20));
+                _mm256_storeu_ps(dst + 2 * ldt, _mm256_permute2f128_ps(u2, u6, 0x20));
+                _mm256_storeu_ps(dst + 3 * ldt, _mm256_permute2f128_ps(u3, u7, 0x20));
+                _mm256_storeu_ps(dst + 4 * ldt, _mm256_permute2f128_ps(u0, u4, 0x31));
+                _mm256_storeu_ps(dst + 5 * ldt, _mm256_permute2f128_ps(u1, u5, 0x31));
+                _mm256_storeu_ps(dst + 6 * ldt, _mm256_permute2f128_ps(u2, u6, 0x31));
+                _mm256_storeu_ps(dst + 7 * ldt, _mm256_permute2f128_ps(u3, u7, 0x31));
+            }
+            for (Py_ssize_t d = D8; d < D; d++)
+                for (Py_ssize_t i = 0; i < 8; i++)
+                    kt[d * ldt + c + i] = dk_get(base, bf16, (c + i) * stride + d);
+        }
+    #endif
+        for (; c < n; c++)
+            for (Py_ssize_t d = 0; d < D; d++)
+                kt[d * ldt + c] = dk_get(base, bf16, c * stride + d);
     }
 
     /* The last of a query block's key splits to finish merges them (acq_rel: it sees the others'
@@ -115,14 +178,16 @@ cdef extern from *:
     void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
                      float* acc, Py_ssize_t lda) noexcept nogil
     int dk_finish_split(int* remaining) noexcept nogil
+    void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                    float* kt, Py_ssize_t ldt) noexcept nogil
 
 cdef enum:
     KT = 64            # keys per tile
     RB = 4             # query rows per register block
+    DIRECT_V = 0       # P V straight from float32 source rows (1) or from a copied tile (0)
     QROWS = 64         # packed query rows (positions x group heads) per work item
     SPLIT_ITEMS = 16   # split key ranges until there are about this many work items ...
     SPLIT_MIN_KEYS = 256  # ... but keep at least this many keys per split
-    PREFETCH_KEYS = 16    # software prefetch distance for K/V rows
 
 
 cdef struct Problem:
@@ -176,40 +241,57 @@ cdef inline void _load_row(const void* base, int bf16, Py_ssize_t off, Py_ssize_
             dst[d] = f[d]
 
 
-cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn,
-                     float* kt, float* vt, float* row) noexcept nogil:
-    """kt (D, KT) = K[j0:j0+kn, g]^T, vt (KT, Dp) = V[j0:j0+kn, g]; padding (keys >= kn, dims >= D) is 0."""
-    cdef Py_ssize_t c, d, j, off, D = P.D, Dp = P.Dp
-    cdef const void* kb
-    cdef const void* vb
+cdef inline const char* _row_ptr(const Problem* P, int value, Py_ssize_t g, Py_ssize_t j, int* bf16) noexcept nogil:
+    """Address of key (value=0) or value (value=1) row j of kv head g, in whichever source holds it."""
+    cdef Py_ssize_t row
+    cdef const void* base
+    if j < P.T1:
+        base, row, bf16[0] = (P.v1 if value else P.k1), j, P.bf1
+    else:
+        base, row, bf16[0] = (P.v2 if value else P.k2), j - P.T1, P.bf2
+    return <const char*>base + (row * P.H_kv + g) * P.D * (2 if bf16[0] else 4)
+
+
+cdef void _prefetch_keys(const Problem* P, Py_ssize_t g, Py_ssize_t j_begin, Py_ssize_t j_end) noexcept nogil:
+    """Software prefetch of K and V rows j_begin..j_end-1 of kv head g (clipped to the keys)."""
+    cdef Py_ssize_t j, nbytes
     cdef int bf
-    cdef Py_ssize_t esz, j_pf
+    if j_end > P.T1 + P.T2:
+        j_end = P.T1 + P.T2
+    for j in range(j_begin, j_end):
+        nbytes = P.D * (2 if (P.bf1 if j < P.T1 else P.bf2) else 4)
+        dk_prefetch(_row_ptr(P, 0, g, j, &bf), nbytes)
+        dk_prefetch(_row_ptr(P, 1, g, j, &bf), nbytes)
+
+
+cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn,
+                             float* kt, float* vt, Py_ssize_t* ldv) noexcept nogil:
+    """Fill kt (D, KT) = K[j0:j0+kn, g]^T (keys >= kn zero) and return V[j0:j0+kn, g] with its row
+    stride in ldv: in place for float32 rows of one source (D a multiple of DK_CB), else upcast
+    into vt (KT, Dp), dims >= D zero (the P V kernel reads only kn rows)."""
+    cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D
+    cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
+    cdef int bf
+    cdef const char* base
+    if n1 > 0:
+        dk_load_kt(<const char*>P.k1 + (j0 * P.H_kv + g) * D * (2 if P.bf1 else 4), P.bf1, stride, D, n1, kt, KT)
+    if kn > n1:
+        dk_load_kt(<const char*>P.k2 + ((j0 + n1 - P.T1) * P.H_kv + g) * D * (2 if P.bf2 else 4), P.bf2, stride, D,
+                   kn - n1, kt + n1, KT)
+    for d in range(D):
+        for c in range(kn, KT):
+            kt[d * KT + c] = 0.0
+    base = _row_ptr(P, 1, g, j0, &bf)
+    if DIRECT_V and Dp == D and not bf and (n1 == kn or n1 == 0):
+        ldv[0] = stride
+        return <const float*>base
     for c in range(kn):
-        j = j0 + c
-        j_pf = j + PREFETCH_KEYS  # may run into the next tile: that is where it is needed
-        if j_pf < P.T1:
-            esz = 2 if P.bf1 else 4
-            dk_prefetch(<const char*>P.k1 + (j_pf * P.H_kv + g) * D * esz, D * esz)
-            dk_prefetch(<const char*>P.v1 + (j_pf * P.H_kv + g) * D * esz, D * esz)
-        elif j_pf < P.T1 + P.T2:
-            esz = 2 if P.bf2 else 4
-            dk_prefetch(<const char*>P.k2 + ((j_pf - P.T1) * P.H_kv + g) * D * esz, D * esz)
-            dk_prefetch(<const char*>P.v2 + ((j_pf - P.T1) * P.H_kv + g) * D * esz, D * esz)
-        if j < P.T1:
-            kb, vb, bf, off = P.k1, P.v1, P.bf1, (j * P.H_kv + g) * D
-        else:
-            kb, vb, bf, off = P.k2, P.v2, P.bf2, ((j - P.T1) * P.H_kv + g) * D
-        _load_row(kb, bf, off, D, row)
-        for d in range(D):
-            kt[d * KT + c] = row[d]
-        _load_row(vb, bf, off, D, vt + c * Dp)
+        base = _row_ptr(P, 1, g, j0 + c, &bf)
+        _load_row(base, bf, 0, D, vt + c * Dp)
         for d in range(D, Dp):
             vt[c * Dp + d] = 0.0
-    for c in range(kn, KT):
-        for d in range(D):
-            kt[d * KT + c] = 0.0
-        for d in range(Dp):
-            vt[c * Dp + d] = 0.0
+    ldv[0] = Dp
+    return vt
 
 
 cdef inline float _row_max(const float* s) noexcept nogil:
@@ -279,7 +361,8 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef Py_ssize_t t0 = b * P.qb_t
     cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
     cdef Py_ssize_t R = nt * group
-    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi
+    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi, ldv, g_pf, j_pf, pf_per_block
+    cdef const float* vsrc
     cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
@@ -322,8 +405,18 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
         kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
-            _load_tile(P, g, j0, kn, kt, vt, row)
+            vsrc = _load_tile(P, g, j0, kn, kt, vt, &ldv)
+            # the next (head, tile) to load: spread its prefetch over this head's row blocks
+            g_pf, j_pf = g + 1, j0
+            if g + 1 == H:
+                g_pf, j_pf = 0, j0 + KT
+                if tile + 1 == (s + 1) * n_tiles // split:
+                    j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
+            pf_per_block = (KT + Rp // RB - 1) // (Rp // RB)
             for r0 in range(Rp // RB):  # S = Q K^T, in 4 x DK_CB register blocks
+                if j_pf <= hi_max:
+                    _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
+                                   min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
                 for c0 in range(KT // DK_CB):
                     dk_qk_block(qg + r0 * RB * D, D, kt + c0 * DK_CB, KT, sc + r0 * RB * KT + c0 * DK_CB, KT)
             for r in range(Rp):  # mask to the row's interval, online softmax
@@ -336,7 +429,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
             for r0 in range(Rp // RB):  # acc += P V, in 4 x DK_CB register blocks
                 for c0 in range(Dp // DK_CB):
-                    dk_pv_block(sc + r0 * RB * KT, KT, KT, vt + c0 * DK_CB, Dp, ag + r0 * RB * Dp + c0 * DK_CB, Dp)
+                    dk_pv_block(sc + r0 * RB * KT, KT, kn, vsrc + c0 * DK_CB, ldv, ag + r0 * RB * Dp + c0 * DK_CB, Dp)
 
     if split == 1:
         for g in range(H):

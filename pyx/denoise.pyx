@@ -188,6 +188,9 @@ def denoise_block(const float[:, ::1] hidden, lm_head, int64_t[::1] tokens, int6
                     tokens[t] = carg[c, t]
         return
     n_workers = max(1, min(n_threads, t_sz))
-    work = np.empty((n_workers, v_sz), np.float32)
-    sums = np.empty((n_workers, (v_sz + BS - 1) // BS), np.float64)
-    sample_rows(logits, uniforms, tokens, status, <float> (1.0 / temperature), top_k, top_p, work, sums)
+    cdef float[:, ::1] work = np.empty((n_workers, v_sz), np.float32)
+    cdef double[:, ::1] sums = np.empty((n_workers, (v_sz + BS - 1) // BS), np.float64)
+    cdef const double[::1] u = uniforms
+    cdef float inv_t = <float> (1.0 / temperature)
+    with nogil:
+        sample_rows(logits, u, tokens, status, inv_t, top_k, top_p, work, sums)

@@ -186,6 +186,16 @@ cdef extern from * nogil:
                 panel = (const float *)w + n0 * K + k0;
                 ldw = K;
             }
+            /* bf16: ask for the next weight chunk now, so that it arrives while this one is computed
+               (measured +4% at M=16; with fp32 weights, read in place, it cost 15%) */
+            long kn = k0 + DK_KC < K ? k0 + DK_KC : 0, nn = k0 + DK_KC < K ? n0 : n0 + nr;
+            long kcn = K - kn < DK_KC ? K - kn : DK_KC;
+            if (bf16 && nn < N) {
+                const char *wn = (const char *)dk_wrow(w, nn * K + kn, bf16);
+                long rows = N - nn < DK_NR ? N - nn : DK_NR;
+                for (long j = 0; j < rows; j++)
+                    for (long b = 0; b < 2 * kcn; b += 64) __builtin_prefetch(wn + 2 * j * K + b, 0, 3);
+            }
             int first = k0 == 0, last = k0 + kc == K;
             for (long i = 0; i < mb; i += DK_MR) {
                 int mr = mb - i < DK_MR ? mb - i : DK_MR;

@@ -89,3 +89,27 @@ def test_default_tap_rule():
     assert dm.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert dm.default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
     assert dm.default_target_layer_ids(36, 1) == [18]
+
+
+def test_inference_drafter_matches_training_drafter(tmp_path, target_dir):
+    """The drafter the training code optimises (model/torch_qwen3.py) computes the same block hidden
+    as the inference drafter for one block: training and inference agree on taps, masks, RoPE."""
+    from dflash_kernels.model.torch_qwen3 import DFlashDrafter as TrainDrafter
+
+    d = write_dflash(tmp_path / "d", target_dir, layers=2, block_size=8, target_layer_ids=(0, 2))
+    target, drafter, dcfg, dt = build(target_dir, d)
+    cfg = {"hidden_size": dcfg.hidden_size, "intermediate_size": dcfg.intermediate_size,
+           "num_hidden_layers": dcfg.num_hidden_layers, "num_attention_heads": dcfg.num_attention_heads,
+           "num_key_value_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim,
+           "rms_norm_eps": dcfg.rms_norm_eps, "rope_theta": dcfg.rope_theta, "hidden_act": "silu"}
+    train = TrainDrafter(cfg, n_taps=2).eval()
+    train.load_state_dict({k: as_f64(v).float() for k, v in dt.items()})
+    cache, ctx = target.new_cache(64), drafter.new_cache(64)
+    _, taps = target.forward(list(range(30, 43)), cache)  # 13 committed positions
+    drafter.add_context(taps, ctx)
+    ours = drafter.block_hidden(17, 7, ctx)
+    embed = as_f64(np.asarray(target.embed)).float()
+    block = torch.cat([embed[17:18], embed[dcfg.mask_token_id].expand(7, -1)])[None]
+    with torch.no_grad():
+        ref = train(block, torch.arange(13, 21)[None], torch.from_numpy(taps)[None], torch.tensor([[13]]))[0]
+    assert_close(ours, ref, rtol=1e-4, atol=1e-4, what="training vs inference drafter")

@@ -105,7 +105,7 @@ def kth_largest(e, n, k, heap):
     return heap[0]
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _sift_down(heap, i, k):
     v = heap[i]
     while True:
@@ -349,7 +349,8 @@ def _rejection_sample(drafts, logits, q, has_q, num_draft, uniforms, num_accepte
     for w in prange(n_workers):  # fixed contiguous slices of the batch: thread count cannot matter
         for b in range(w * b_sz // n_workers, (w + 1) * b_sz // n_workers):
             _sample_sequence(b, drafts, logits, q, has_q, num_draft, uniforms, num_accepted, out, status,
-                             inv_t, greedy, top_k, top_p, scratch[w, 0], scratch[w, 1], sums[w, 0], sums[w, 1])
+                             inv_t, greedy, top_k, top_p, scratch[w, 0], scratch[w, 1], sums[w, 0],
+                             sums[w, 1])
 
 
 def rejection_sample(drafts, logits, draft_probs, num_draft, num_accepted, out, status, *, n_threads,

@@ -35,7 +35,7 @@ def _tile(x, wbuf, t0, t_sz, h_sz):
     return a00, a01, a10, a11, a20, a21, a30, a31
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _keep_max(best, arg, nan, t, val, v):
     if val > best[t]:
         best[t] = val
