@@ -65,27 +65,33 @@ def test_linear(benchmark, contender, shape, m, weights):
            shape=f"{name} M={m} {weights} weights", peer=f"torch {weights} F.linear")
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
 def _stream_sum(words, n_chunks):
-    """Parallel read of an int64 buffer (integer adds, so the read is the only cost)."""
+    """Parallel read of a buffer seen as float32 (a vectorised sum: the read is the only cost)."""
     per = (words.shape[0] + n_chunks - 1) // n_chunks
-    part = np.zeros(n_chunks, np.int64)
+    part = np.zeros(n_chunks, np.float32)
     for c in prange(n_chunks):
-        s = 0
+        s = np.float32(0.0)
         for i in range(c * per, min(words.shape[0], (c + 1) * per)):
             s += words[i]
         part[c] = s
     return part.sum()
 
 
+@pytest.mark.parametrize("reader", ["numba-parallel", "numpy-sum"])
 @pytest.mark.parametrize("shape", LINEAR_SHAPES[:2], ids=LINEAR_IDS[:2])
-def test_stream_read(benchmark, shape):
-    """Memory roofline for M=1: read a buffer as large as the bf16 weights with THREADS threads."""
+def test_stream_read(benchmark, shape, reader):
+    """Memory roofline for M=1: read a buffer as large as the bf16 weights (THREADS threads, or
+    numpy's single-threaded sum as a second opinion)."""
     name, n, k = shape
-    buf = _weights(n, k, "bf16").view(torch.int16).numpy().view(np.int64).reshape(-1)
-    with numba_threads(THREADS):
-        _stream_sum(buf, 8 * THREADS)  # warm-up (JIT)
-        benchmark(_stream_sum, buf, 8 * THREADS)
+    buf = _weights(n, k, "bf16").view(torch.int16).numpy().view(np.float32).reshape(-1)
+    if reader == "numpy-sum":
+        buf.sum()
+        benchmark(buf.sum)
+    else:
+        with numba_threads(THREADS):
+            _stream_sum(buf, 8 * THREADS)  # warm-up (JIT)
+            benchmark(_stream_sum, buf, 8 * THREADS)
     record(benchmark, bytes_moved=buf.nbytes, shape=f"{name} bf16 weights, streaming read")
 
 

@@ -44,15 +44,19 @@ def test_gated_delta_rule(benchmark, contender, T):
     record(benchmark, flops=gdn_flops(T), bytes_moved=2 * state.numel() * 4, shape=f"{NAME} T={T}")
 
 
-def test_gated_delta_rule_checkpoints(benchmark, contender):
+@pytest.mark.parametrize("buffer", ["fresh", "reused"])
+def test_gated_delta_rule_checkpoints(benchmark, contender, buffer):
     """Verification with the state after every token kept (16 x 2 MiB per layer)."""
     q, k, v, g, beta, state = gdn_inputs(BLOCK)
+    out = torch.empty(BLOCK, HV, DK, DV) if buffer == "reused" else None
     if contender == "torch-peer":
+        if buffer == "reused":
+            pytest.skip("the torch peer allocates its checkpoints")
         slots = torch.arange(BLOCK)
         fn = lambda: ref.gated_delta_rule(q, k, v, g, beta, state, slots)  # noqa: E731
     else:
-        fn = lambda: la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=True, backend=contender,  # noqa: E731
-                                         n_threads=THREADS)
+        fn = lambda: la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=True, checkpoints_out=out,  # noqa: E731
+                                         backend=contender, n_threads=THREADS)
     fn()
     benchmark(fn)
     record(benchmark, flops=gdn_flops(BLOCK), bytes_moved=(2 + BLOCK) * state.numel() * 4,

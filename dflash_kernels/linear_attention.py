@@ -9,10 +9,16 @@ Facts: shared docs qwen.md 2.5-2.7. A Qwen3.5 linear-attention layer runs, per b
     o = gated_delta_rule(q, k, v, g, beta, state)           # raw q, k: l2norm and d_k^-0.5 done inside
     o = gated_rms_norm(o, z, norm.weight)                   # then out_proj
 
-Speculative decoding: a GDN layer's state cannot be cropped like a KV cache. Verify k+1 tokens with
-``checkpoints=True`` (the recurrent state after every token) and restore the accepted prefix a with
-``state[...] = ckpts[a]``; the conv state after n tokens is ``conv_state_at(conv_state_before, x, n)``
-(or ``checkpoints=True`` on ``causal_conv1d``).
+Speculative decoding: a GDN layer's state cannot be cropped like a KV cache. Two ways to get the
+state after the accepted prefix 0..a of a verified block of k+1 tokens:
+  1. verify with ``checkpoints=True`` (the state after every token) and ``state[...] = ckpts[a]``;
+  2. snapshot the state before verifying (one copy) and, after acceptance, restore the snapshot and
+     re-run tokens 0..a as one block: bit-identical to checkpoint a in every backend (the recurrence
+     does the same arithmetic for every block length; pass chunk_size=0 beyond 64 tokens so the torch
+     backend does not switch to the chunked form), and cheaper on CPU, where writing k+1 states (2 MiB each per Qwen3.5-9B
+     layer) costs several verification steps of memory bandwidth.
+The conv state after n tokens is ``conv_state_at(conv_state_before, x, n)`` (or ``checkpoints=True``
+on ``causal_conv1d``).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def _checkpoint_slots(checkpoints, T: int) -> np.ndarray:
 
 
 def gated_delta_rule(q, k, v, g, beta, state, *, checkpoints=False, use_qk_l2norm=True, scale=None,
-                     chunk_size=None, n_threads=None, backend="auto"):
+                     chunk_size=None, checkpoints_out=None, n_threads=None, backend="auto"):
     """Gated delta rule over a block of T tokens, continuing from (and updating) `state` in place.
 
     q, k: (T, H_k, d_k) raw projections (after conv + SiLU), float32 or bf16; with
@@ -74,8 +80,12 @@ def gated_delta_rule(q, k, v, g, beta, state, *, checkpoints=False, use_qk_l2nor
         T > 64, the compiled kernels always run the recurrence (one pass per token over L1-resident
         (d_k, 16) state blocks measured 1.6-3x faster than their chunked form at T = 512, see
         bench/bench_linear_attention.py). Both forms agree to float32 rounding.
+    checkpoints_out: optional preallocated (n_kept, H_v, d_k, d_v) float32 C-contiguous writable buffer
+        for the checkpoints (reuse it across rounds: a fresh n_kept x 2 MiB allocation per call costs
+        page faults on top of the memory-bound copies).
     Returns o (T, H_v, d_v) float32, and with checkpoints also (n_kept, H_v, d_k, d_v) float32 states
-    (``state[...] = ckpts[a]`` restores the state after token a). NaN/inf propagate unchecked.
+    (``state[...] = ckpts[a]`` restores the state after token a; checkpoints_out itself when given).
+    NaN/inf propagate unchecked.
     """
     qa = f32_array(q, "q", ndim=3)
     ka = f32_array(k, "k", ndim=3)
@@ -106,14 +116,19 @@ def gated_delta_rule(q, k, v, g, beta, state, *, checkpoints=False, use_qk_l2nor
         raise ValueError("chunk_size > 0 (chunked form) cannot produce per-token checkpoints; use chunk_size=0")
     scale = dk**-0.5 if scale is None else float(scale)
     o = np.empty((T, Hv, dv), np.float32)
-    ckpts = np.empty((n_keep, Hv, dk, dv), np.float32)
+    if checkpoints_out is None:
+        ckpts = np.empty((n_keep, Hv, dk, dv), np.float32)
+    elif n_keep == 0:
+        raise ValueError("checkpoints_out needs checkpoints=True or a list of token indices")
+    else:
+        ckpts = _state_array(checkpoints_out, "checkpoints_out", (n_keep, Hv, dk, dv))
     run("linear_attention", "gated_delta_rule", (qa, ka, va, ga, ba, st, slot), (o, st, ckpts),
         backend=backend, n_threads=n_threads, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
         chunk_size=int(chunk_size))
     torch_out = any_torch(q, k, v, state)
     if checkpoints is False or checkpoints is None:
         return wrap(o, torch_out)
-    return wrap(o, torch_out), wrap(ckpts, torch_out)
+    return wrap(o, torch_out), (checkpoints_out if checkpoints_out is not None else wrap(ckpts, torch_out))
 
 
 def _conv_weight(weight) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""dflash_kernels.model: the thin model layer (Qwen3 target, DFlash drafter, decoding engine).
+"""dflash_kernels.model: the thin model layer (Qwen3 / Qwen3.5 hybrid targets, DFlash drafter,
+decoding engine).
 
     import dflash_kernels.model as dm
     engine = dm.load(target_dir, drafter_dir)            # drafter optional
@@ -19,13 +20,15 @@ from .drafter import ContextCache, DFlashDrafter
 from .engine import Engine, GenerationResult, load
 from .metrics import Metrics, aggregate, speedup
 from .qwen3 import KVCache, Qwen3Model
+from .qwen35 import HybridCache, Qwen35Model
+from .qwen35_config import Qwen35Config, load_qwen35_config, load_target_config
 from .tokenizer import StreamDecoder, Tokenizer, TokenizerError, render_chat, stop_token_ids
 from .weights import WeightsError, read_checkpoint, read_safetensors
 
 __all__ = [
     "ConfigError", "ContextCache", "DFlashConfig", "DFlashDrafter", "Engine", "GenerationResult",
-    "KVCache", "Metrics", "Qwen3Config", "Qwen3Model", "StreamDecoder", "Tokenizer", "TokenizerError",
-    "WeightsError", "aggregate", "default_target_layer_ids", "load", "load_dflash_config",
-    "load_generation_config", "load_qwen3_config", "read_checkpoint", "read_safetensors", "render_chat",
-    "speedup", "stop_token_ids",
+    "HybridCache", "KVCache", "Metrics", "Qwen3Config", "Qwen3Model", "Qwen35Config", "Qwen35Model",
+    "StreamDecoder", "Tokenizer", "TokenizerError", "WeightsError", "aggregate", "default_target_layer_ids",
+    "load", "load_dflash_config", "load_generation_config", "load_qwen3_config", "load_qwen35_config",
+    "load_target_config", "read_checkpoint", "read_safetensors", "render_chat", "speedup", "stop_token_ids",
 ]

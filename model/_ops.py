@@ -11,6 +11,7 @@ from time import perf_counter
 import numpy as np
 
 import dflash_kernels as dk
+from dflash_kernels import linear_attention as _la
 
 
 class Ops:
@@ -29,23 +30,24 @@ class Ops:
         self.kernel_s += perf_counter() - t
         return out
 
-    def rms_norm(self, x, w, eps):
+    def rms_norm(self, x, w, eps, offset=0.0):
+        """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w))."""
         t = perf_counter()
-        out = dk.rms_norm(x, w, eps, **self.kw)
+        out = dk.rms_norm(x, w, eps, offset=offset, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
-    def add_rms_norm(self, x, residual, w, eps):
+    def add_rms_norm(self, x, residual, w, eps, offset=0.0):
         """(rms_norm(x + residual), x + residual): the pre-norm residual add fused into the norm."""
         t = perf_counter()
-        out = dk.rms_norm(x, w, eps, residual=residual, **self.kw)
+        out = dk.rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
-    def rope(self, x, positions, theta):
-        """RoPE in place on a float32 C-contiguous (T, H, D) array."""
+    def rope(self, x, positions, theta, rotary_dim=None):
+        """RoPE in place on a float32 C-contiguous (T, H, D) array (first rotary_dim dims; default D)."""
         t = perf_counter()
-        out = dk.apply_rope(x, positions, theta, out=x, **self.kw)
+        out = dk.apply_rope(x, positions, theta, rotary_dim, out=x, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
@@ -74,6 +76,40 @@ class Ops:
         out = dk.denoise_block(hidden, lm_head, temperature=0.0, **self.kw)
         self.kernel_s += perf_counter() - t
         return np.asarray(out, dtype=np.int64)
+
+    # -- Qwen3.5 hybrid layers (dflash_kernels.linear_attention) -----------------------------------
+
+    def causal_conv1d(self, x, weight, conv_state):
+        """GDN short conv + SiLU over (T, C); conv_state (C, K-1) updated in place."""
+        t = perf_counter()
+        out = _la.causal_conv1d(x, weight, conv_state, activation="silu", **self.kw)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, checkpoints=False):
+        """o (T, H_v, d_v), or (o, per-token states) with checkpoints; state updated in place."""
+        t = perf_counter()
+        out = _la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=checkpoints, **self.kw)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def gated_rms_norm(self, x, z, w, eps):
+        t = perf_counter()
+        out = _la.gated_rms_norm(x, z, w, eps, **self.kw)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def split_query_gate(self, qg, n_heads, head_dim):
+        t = perf_counter()
+        out = _la.split_query_gate(qg, n_heads, head_dim)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def apply_output_gate(self, o, gate):
+        t = perf_counter()
+        out = _la.apply_output_gate(o, gate, **self.kw)
+        self.kernel_s += perf_counter() - t
+        return out
 
     def accept_greedy(self, drafts, targets):
         t = perf_counter()

@@ -18,10 +18,12 @@ from time import perf_counter
 import numpy as np
 
 from ._ops import Ops
-from .config import load_dflash_config, load_qwen3_config
+from .config import load_dflash_config
 from .drafter import DFlashDrafter
 from .metrics import Metrics, aggregate
 from .qwen3 import Qwen3Model
+from .qwen35 import Qwen35Model
+from .qwen35_config import Qwen35Config, load_target_config
 from .tokenizer import Tokenizer, render_chat, stop_token_ids
 from .weights import read_checkpoint
 
@@ -305,7 +307,8 @@ class _Run:
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
          fuse_weights="auto") -> Engine:
-    """Load a Qwen3 target (and optionally a DFlash drafter) from HF checkpoint directories.
+    """Load a Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter, from HF
+    checkpoint directories.
 
     max_len: KV cache positions (prompt + generated), default min(max_position_embeddings, 8192).
     kv_dtype: "float32" or "bfloat16" target KV cache storage. n_threads / backend: passed to every
@@ -319,7 +322,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {kv_dtype!r}")
     if fuse_weights not in (True, False, "auto"):
         raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
-    tcfg = load_qwen3_config(target_dir)
+    tcfg = load_target_config(target_dir)  # Qwen3 or Qwen3.5 (hybrid) by architecture / model_type
     if max_len is None:
         max_len = min(tcfg.max_position_embeddings, 8192)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
@@ -337,7 +340,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     fuse = fuse_weights
     if fuse == "auto":
         fuse = sum(a.nbytes for a in tensors.values()) < (2 << 30)
-    target = Qwen3Model(tcfg, tensors, origin, ops=ops, prefill_chunk=prefill_chunk, fuse=fuse,
+    target_cls = Qwen35Model if isinstance(tcfg, Qwen35Config) else Qwen3Model
+    target = target_cls(tcfg, tensors, origin, ops=ops, prefill_chunk=prefill_chunk, fuse=fuse,
                         where=str(target_dir), tap_layer_ids=dcfg.target_layer_ids if dcfg else ())
     drafter = None
     if dcfg is not None:

@@ -6,10 +6,17 @@ block] for the drafter, [cache | nothing] for cached attention), each float32 or
 place and upcast per tile into scratch. Query i sits at position q_off + i and sees the keys at
 positions lo(i) .. hi(i) (see dflash_kernels/attention.py), so the mask is one interval per query.
 
-Work item = (kv head g, block of query positions, key split). The `group` query heads reading kv
-head g are packed with the block's positions into up to QROWS rows, so a K/V tile is loaded once
-for all of them. The key split depends on the shape only (never on n_threads) and partials are
-merged in a fixed order: results are identical for every n_threads.
+Work item = (block of query positions, key split). Per key tile, every kv head g in turn: the
+`group` query heads reading g are packed with the block's positions into up to QROWS rows, so a
+K/V tile is loaded (transposed, upcast) once for all of them, and S = Q K^T, the masked online
+softmax and acc += P V run on 4-row register blocks. The kv-head loop sits inside the tile loop
+because one key's rows of all heads share a page: TLB misses are paid once per key, not per head.
+The key split depends on the shape only (never on n_threads); the last split of a query block to
+finish merges the partials in split order, so results are identical for every n_threads.
+
+The SIMD micro-kernels (exp, 4-row blocks, K-tile transpose) are small C functions in the
+verbatim block below: GCC vector extensions (AVX-512, AVX2 or SSE) and AVX2 intrinsics with a
+scalar fallback.
 """
 
 cimport numpy as cnp
@@ -50,12 +57,12 @@ cdef extern from *:
     }
 
     /* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
-       (4 rows x DK_NV vectors of DK_W floats) stay in registers: with AVX-512 (32 registers)
-       4 x 4 vectors of 16, else 4 x 2 vectors of 8 (AVX; plain SSE targets get pairs). A block
+       (4 rows x DK_NV vectors of DK_W floats) stay in registers: 4 x 2 vectors of 16 floats with
+       AVX-512, else of 8 (AVX; plain SSE targets get pairs). A block
        covers DK_CB = DK_NV * DK_W keys (in S) or head dims (in P V). */
     #if defined(__AVX512F__)
     #define DK_W 16
-    #define DK_NV 4
+    #define DK_NV 2
     #else
     #define DK_W 8
     #define DK_NV 2
@@ -182,12 +189,11 @@ cdef extern from *:
                     float* kt, Py_ssize_t ldt) noexcept nogil
 
 cdef enum:
-    KT = 64            # keys per tile
+    KT = 32            # keys per tile: K^T and V tiles (2 x 16 KiB at D = 128) stay in L1
     RB = 4             # query rows per register block
-    DIRECT_V = 0       # P V straight from float32 source rows (1) or from a copied tile (0)
     QROWS = 64         # packed query rows (positions x group heads) per work item
     SPLIT_ITEMS = 16   # split key ranges until there are about this many work items ...
-    SPLIT_MIN_KEYS = 256  # ... but keep at least this many keys per split
+    SPLIT_MIN_KEYS = 128  # ... but keep at least this many keys per split
 
 
 cdef struct Problem:
@@ -282,7 +288,7 @@ cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_s
         for c in range(kn, KT):
             kt[d * KT + c] = 0.0
     base = _row_ptr(P, 1, g, j0, &bf)
-    if DIRECT_V and Dp == D and not bf and (n1 == kn or n1 == 0):
+    if Dp == D and not bf and (n1 == kn or n1 == 0):
         ldv[0] = stride
         return <const float*>base
     for c in range(kn):
@@ -413,21 +419,22 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 if tile + 1 == (s + 1) * n_tiles // split:
                     j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
             pf_per_block = (KT + Rp // RB - 1) // (Rp // RB)
-            for r0 in range(Rp // RB):  # S = Q K^T, in 4 x DK_CB register blocks
+            # per block of 4 query rows: S = Q K^T, masked online softmax, acc += P V (the
+            # block's scores stay in L1 between the three steps; kt and vt are streamed)
+            for r0 in range(Rp // RB):
                 if j_pf <= hi_max:
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
                                    min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
                 for c0 in range(KT // DK_CB):
                     dk_qk_block(qg + r0 * RB * D, D, kt + c0 * DK_CB, KT, sc + r0 * RB * KT + c0 * DK_CB, KT)
-            for r in range(Rp):  # mask to the row's interval, online softmax
-                if r < R:
-                    t = t0 + r // group
-                    c_lo = max(_lo(P, t) - j0, 0)
-                    c_hi = min(_hi(P, t) - j0, kn - 1)
-                else:  # padding rows
-                    c_lo, c_hi = 1, 0
-                _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
-            for r0 in range(Rp // RB):  # acc += P V, in 4 x DK_CB register blocks
+                for r in range(r0 * RB, r0 * RB + RB):
+                    if r < R:
+                        t = t0 + r // group
+                        c_lo = max(_lo(P, t) - j0, 0)
+                        c_hi = min(_hi(P, t) - j0, kn - 1)
+                    else:  # padding rows
+                        c_lo, c_hi = 1, 0
+                    _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
                 for c0 in range(Dp // DK_CB):
                     dk_pv_block(sc + r0 * RB * KT, KT, kn, vsrc + c0 * DK_CB, ldv, ag + r0 * RB * Dp + c0 * DK_CB, Dp)
 

@@ -24,59 +24,9 @@ cdef extern from *:
     #define LA_LD(p) (*(const la_v8*)(p))
     #define LA_ST(p, x) (*(la_v8*)(p) = (x))
 
-    /* One token on a (dk, 16) block of S (row stride ld):
-       S = a S;  d = b (v - S^T k);  S += k d^T;  o = S^T q.  Rows 4 at a time: 8 accumulator chains. */
-    static inline void la_token16(float* S, Py_ssize_t ld, int dk, const float* kn, const float* qn,
-                                  float a, float b, const float* vt, float* ot) {
-        la_v8 x0 = {0}, x1 = {0}, y0 = {0}, y1 = {0}, z0 = {0}, z1 = {0}, w0 = {0}, w1 = {0};
-        int i = 0;
-        for (; i + 4 <= dk; i += 4) {
-            float* r = S + i * ld;
-            la_v8 s00 = LA_LD(r) * a, s01 = LA_LD(r + 8) * a;
-            la_v8 s10 = LA_LD(r + ld) * a, s11 = LA_LD(r + ld + 8) * a;
-            la_v8 s20 = LA_LD(r + 2 * ld) * a, s21 = LA_LD(r + 2 * ld + 8) * a;
-            la_v8 s30 = LA_LD(r + 3 * ld) * a, s31 = LA_LD(r + 3 * ld + 8) * a;
-            LA_ST(r, s00); LA_ST(r + 8, s01); LA_ST(r + ld, s10); LA_ST(r + ld + 8, s11);
-            LA_ST(r + 2 * ld, s20); LA_ST(r + 2 * ld + 8, s21); LA_ST(r + 3 * ld, s30); LA_ST(r + 3 * ld + 8, s31);
-            x0 += s00 * kn[i]; x1 += s01 * kn[i];
-            y0 += s10 * kn[i + 1]; y1 += s11 * kn[i + 1];
-            z0 += s20 * kn[i + 2]; z1 += s21 * kn[i + 2];
-            w0 += s30 * kn[i + 3]; w1 += s31 * kn[i + 3];
-        }
-        for (; i < dk; i++) {
-            float* r = S + i * ld;
-            la_v8 s00 = LA_LD(r) * a, s01 = LA_LD(r + 8) * a;
-            LA_ST(r, s00); LA_ST(r + 8, s01);
-            x0 += s00 * kn[i]; x1 += s01 * kn[i];
-        }
-        la_v8 d0 = b * (LA_LD(vt) - ((x0 + y0) + (z0 + w0)));
-        la_v8 d1 = b * (LA_LD(vt + 8) - ((x1 + y1) + (z1 + w1)));
-        x0 = x1 = y0 = y1 = z0 = z1 = w0 = w1 = (la_v8){0};
-        for (i = 0; i + 4 <= dk; i += 4) {
-            float* r = S + i * ld;
-            la_v8 s00 = LA_LD(r) + kn[i] * d0, s01 = LA_LD(r + 8) + kn[i] * d1;
-            la_v8 s10 = LA_LD(r + ld) + kn[i + 1] * d0, s11 = LA_LD(r + ld + 8) + kn[i + 1] * d1;
-            la_v8 s20 = LA_LD(r + 2 * ld) + kn[i + 2] * d0, s21 = LA_LD(r + 2 * ld + 8) + kn[i + 2] * d1;
-            la_v8 s30 = LA_LD(r + 3 * ld) + kn[i + 3] * d0, s31 = LA_LD(r + 3 * ld + 8) + kn[i + 3] * d1;
-            LA_ST(r, s00); LA_ST(r + 8, s01); LA_ST(r + ld, s10); LA_ST(r + ld + 8, s11);
-            LA_ST(r + 2 * ld, s20); LA_ST(r + 2 * ld + 8, s21); LA_ST(r + 3 * ld, s30); LA_ST(r + 3 * ld + 8, s31);
-            x0 += s00 * qn[i]; x1 += s01 * qn[i];
-            y0 += s10 * qn[i + 1]; y1 += s11 * qn[i + 1];
-            z0 += s20 * qn[i + 2]; z1 += s21 * qn[i + 2];
-            w0 += s30 * qn[i + 3]; w1 += s31 * qn[i + 3];
-        }
-        for (; i < dk; i++) {
-            float* r = S + i * ld;
-            la_v8 s00 = LA_LD(r) + kn[i] * d0, s01 = LA_LD(r + 8) + kn[i] * d1;
-            LA_ST(r, s00); LA_ST(r + 8, s01);
-            x0 += s00 * qn[i]; x1 += s01 * qn[i];
-        }
-        LA_ST(ot, (x0 + y0) + (z0 + w0));
-        LA_ST(ot + 8, (x1 + y1) + (z1 + w1));
-    }
-
-    /* T >= 2 tokens on the 16 state columns S[:, 0:16] (row stride ld), carried through the
-       contiguous scratch blk (dk, 16) (in place, rows ld floats apart share a few L1 sets).
+    /* T tokens on the 16 state columns S[:, 0:16] (row stride ld), carried through the scratch
+       blk (dk, 16) of row stride lb: in place, rows ld floats apart share a few L1 sets, which costs
+       more than the copy from T = 2 on; T = 1 passes blk = S, lb = ld.
        Lazy decay: the true block is sigma * blk, so a token's decay is one multiply of sigma and each
        token is ONE pass over blk: blk += k_t (d_t / sigma)^T, o_t = sigma blk^T q_t, and the next
        token's kv = sigma' blk^T k_{t+1}. sigma is folded back into blk when it leaves [2^-20, 2^20]
@@ -84,20 +34,20 @@ cdef extern from *:
     static void la_tokens16(float* S, Py_ssize_t ld, int dk, Py_ssize_t T, const float* kn,
                             const float* qn, const float* g, const float* beta, Py_ssize_t gs,
                             const float* v, float* o, Py_ssize_t vs, const int64_t* slot, float* ck,
-                            Py_ssize_t cks, float* blk) {
+                            Py_ssize_t cks, float* blk, Py_ssize_t lb) {
         float sigma = expf(g[0]);
         la_v8 x0 = {0}, x1 = {0}, y0 = {0}, y1 = {0};
         int i = 0;
         for (; i + 2 <= dk; i += 2) {  /* pack the decayed block; kv of token 0 */
             la_v8 s00 = LA_LD(S + i * ld) * sigma, s01 = LA_LD(S + i * ld + 8) * sigma;
             la_v8 s10 = LA_LD(S + (i + 1) * ld) * sigma, s11 = LA_LD(S + (i + 1) * ld + 8) * sigma;
-            LA_ST(blk + i * 16, s00); LA_ST(blk + i * 16 + 8, s01);
-            LA_ST(blk + i * 16 + 16, s10); LA_ST(blk + i * 16 + 24, s11);
+            LA_ST(blk + i * lb, s00); LA_ST(blk + i * lb + 8, s01);
+            LA_ST(blk + (i + 1) * lb, s10); LA_ST(blk + (i + 1) * lb + 8, s11);
             x0 += s00 * kn[i]; x1 += s01 * kn[i]; y0 += s10 * kn[i + 1]; y1 += s11 * kn[i + 1];
         }
         for (; i < dk; i++) {
             la_v8 s00 = LA_LD(S + i * ld) * sigma, s01 = LA_LD(S + i * ld + 8) * sigma;
-            LA_ST(blk + i * 16, s00); LA_ST(blk + i * 16 + 8, s01);
+            LA_ST(blk + i * lb, s00); LA_ST(blk + i * lb + 8, s01);
             x0 += s00 * kn[i]; x1 += s01 * kn[i];
         }
         sigma = 1.0f;
@@ -111,15 +61,15 @@ cdef extern from *:
             la_v8 o00 = {0}, o01 = {0}, o10 = {0}, o11 = {0};
             x0 = x1 = y0 = y1 = (la_v8){0};
             for (i = 0; i + 2 <= dk; i += 2) {
-                float* r = blk + i * 16;
+                float* r = blk + i * lb;
                 la_v8 s00 = LA_LD(r) + k[i] * d0, s01 = LA_LD(r + 8) + k[i] * d1;
-                la_v8 s10 = LA_LD(r + 16) + k[i + 1] * d0, s11 = LA_LD(r + 24) + k[i + 1] * d1;
-                LA_ST(r, s00); LA_ST(r + 8, s01); LA_ST(r + 16, s10); LA_ST(r + 24, s11);
+                la_v8 s10 = LA_LD(r + lb) + k[i + 1] * d0, s11 = LA_LD(r + lb + 8) + k[i + 1] * d1;
+                LA_ST(r, s00); LA_ST(r + 8, s01); LA_ST(r + lb, s10); LA_ST(r + lb + 8, s11);
                 o00 += s00 * q[i]; o01 += s01 * q[i]; o10 += s10 * q[i + 1]; o11 += s11 * q[i + 1];
                 x0 += s00 * kx[i]; x1 += s01 * kx[i]; y0 += s10 * kx[i + 1]; y1 += s11 * kx[i + 1];
             }
             for (; i < dk; i++) {
-                float* r = blk + i * 16;
+                float* r = blk + i * lb;
                 la_v8 s00 = LA_LD(r) + k[i] * d0, s01 = LA_LD(r + 8) + k[i] * d1;
                 LA_ST(r, s00); LA_ST(r + 8, s01);
                 o00 += s00 * q[i]; o01 += s01 * q[i];
@@ -130,8 +80,8 @@ cdef extern from *:
             if (slot[t] >= 0) {
                 float* c = ck + slot[t] * cks;
                 for (i = 0; i < dk; i++) {
-                    LA_ST(c + i * ld, sigma * LA_LD(blk + i * 16));
-                    LA_ST(c + i * ld + 8, sigma * LA_LD(blk + i * 16 + 8));
+                    LA_ST(c + i * ld, sigma * LA_LD(blk + i * lb));
+                    LA_ST(c + i * ld + 8, sigma * LA_LD(blk + i * lb + 8));
                 }
             }
             if (t + 1 < T) {
@@ -139,14 +89,18 @@ cdef extern from *:
                 kv0 = sigma * (x0 + y0);
                 kv1 = sigma * (x1 + y1);
                 if (!(sigma >= 0x1p-20f && sigma <= 0x1p20f)) {
-                    for (i = 0; i < 16 * dk; i += 8) LA_ST(blk + i, sigma * LA_LD(blk + i));
+                    for (i = 0; i < dk; i++) {
+                        LA_ST(blk + i * lb, sigma * LA_LD(blk + i * lb));
+                        LA_ST(blk + i * lb + 8, sigma * LA_LD(blk + i * lb + 8));
+                    }
                     sigma = 1.0f;
                 }
             }
         }
+        if (blk == S && sigma == 1.0f) return;  /* worked in place, nothing to fold back */
         for (i = 0; i < dk; i++) {  /* unpack, folding sigma back in */
-            LA_ST(S + i * ld, sigma * LA_LD(blk + i * 16));
-            LA_ST(S + i * ld + 8, sigma * LA_LD(blk + i * 16 + 8));
+            LA_ST(S + i * ld, sigma * LA_LD(blk + i * lb));
+            LA_ST(S + i * ld + 8, sigma * LA_LD(blk + i * lb + 8));
         }
     }
 
@@ -265,11 +219,9 @@ cdef extern from *:
         for (; j < n; j++) y[j] += a * x[j];
     }
     """
-    void la_token16(float* S, Py_ssize_t ld, int dk, const float* kn, const float* qn, float a, float b,
-                    const float* vt, float* ot) noexcept nogil
     void la_tokens16(float* S, Py_ssize_t ld, int dk, Py_ssize_t T, const float* kn, const float* qn,
                      const float* g, const float* beta, Py_ssize_t gs, const float* v, float* o, Py_ssize_t vs,
-                     const int64_t* slot, float* ck, Py_ssize_t cks, float* blk) noexcept nogil
+                     const int64_t* slot, float* ck, Py_ssize_t cks, float* blk, Py_ssize_t lb) noexcept nogil
     void la_gemm(const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb, float* C, Py_ssize_t ldc,
                  int M, int N, int K, float alpha) noexcept nogil
     void la_axpy(float* y, const float* x, float a, int n) noexcept nogil
@@ -307,7 +259,7 @@ cdef inline void _prepare_qk(const float* q, const float* k, Py_ssize_t T, Py_ss
 
 cdef inline void _token_narrow(float* S, Py_ssize_t ld, int dk, int w, const float* kn, const float* qn,
                                float a, float b, const float* vt, float* ot) noexcept nogil:
-    """la_token16 for the last w < 16 columns."""
+    """One token on the last w < 16 columns of S: S = a S; d = b (v - S^T k); S += k d^T; o = S^T q."""
     cdef float acc[BW]
     cdef float d[BW]
     cdef float s
@@ -334,43 +286,26 @@ cdef inline void _token_narrow(float* S, Py_ssize_t ld, int dk, int w, const flo
 cdef void _recurrent_head(const float* v, const float* g, const float* beta, float* S, const int64_t* slot,
                           float* o, float* ckpts, Py_ssize_t T, int Hv, int h, int dk, int dv,
                           const float* qn, const float* kn, float* blk) noexcept nogil:
-    # The (dk, 16) column block is copied to the contiguous scratch blk for the T tokens: in place its
-    # rows lie dv floats apart, which maps them onto a few L1 sets and evicts the block between passes.
+    # Full 16-column blocks: la_tokens16, the same arithmetic for every T (through the scratch blk
+    # from T = 2 on), so re-running a prefix of a block reproduces its checkpoints bit for bit.
+    # The last dv % 16 columns: the plain two-pass form, token by token, in place.
     cdef Py_ssize_t t, hs = <Py_ssize_t>dk * dv
     cdef int j0, w, i
-    cdef float a, b
-    cdef float* B
-    cdef Py_ssize_t ld
     cdef bint pack = T > 1
     j0 = 0
     while j0 < dv:
         w = dv - j0 if dv - j0 < BW else BW
-        if pack and w == BW:
+        if w == BW:
             la_tokens16(S + j0, dv, dk, T, kn, qn, g + h, beta + h, Hv, v + h * dv + j0, o + h * dv + j0,
-                        <Py_ssize_t>Hv * dv, slot, ckpts + h * hs + j0 if ckpts != NULL else NULL, Hv * hs, blk)
-            j0 = j0 + BW
-            continue
-        if pack:
-            for i in range(dk):
-                memcpy(blk + i * BW, S + i * dv + j0, w * sizeof(float))
-            B, ld = blk, BW
+                        <Py_ssize_t>Hv * dv, slot, ckpts + h * hs + j0 if ckpts != NULL else NULL, Hv * hs,
+                        blk if pack else S + j0, BW if pack else dv)
         else:
-            B, ld = S + j0, dv
-        for t in range(T):
-            a = expf(g[t * Hv + h])
-            b = beta[t * Hv + h]
-            if w == BW:
-                la_token16(B, ld, dk, kn + t * dk, qn + t * dk, a, b, v + (t * Hv + h) * dv + j0,
-                           o + (t * Hv + h) * dv + j0)
-            else:
-                _token_narrow(B, ld, dk, w, kn + t * dk, qn + t * dk, a, b, v + (t * Hv + h) * dv + j0,
-                              o + (t * Hv + h) * dv + j0)
-            if slot[t] >= 0:  # keep the state after token t
-                for i in range(dk):
-                    memcpy(ckpts + (slot[t] * Hv + h) * hs + i * dv + j0, B + i * ld, w * sizeof(float))
-        if pack:
-            for i in range(dk):
-                memcpy(S + i * dv + j0, blk + i * BW, w * sizeof(float))
+            for t in range(T):
+                _token_narrow(S + j0, dv, dk, w, kn + t * dk, qn + t * dk, expf(g[t * Hv + h]), beta[t * Hv + h],
+                              v + (t * Hv + h) * dv + j0, o + (t * Hv + h) * dv + j0)
+                if slot[t] >= 0:  # keep the state after token t
+                    for i in range(dk):
+                        memcpy(ckpts + (slot[t] * Hv + h) * hs + i * dv + j0, S + i * dv + j0, w * sizeof(float))
         j0 = j0 + BW
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 import dflash_kernels.linear_attention as la
 from dflash_kernels.reference import linear_attention as ref
 
-from support import KERNEL_BACKENDS, TOLERANCE, as_f64, as_torch, assert_close, make_float, readonly
+from support import ALL_BACKENDS, KERNEL_BACKENDS, TOLERANCE, as_f64, as_torch, assert_close, make_float, readonly
 
 # The state carries the whole history: errors of 130 recurrent steps stay ~1e-7 on O(1) values.
 TOL_STATE = dict(rtol=2e-5, atol=2e-5)
@@ -37,23 +37,25 @@ shapes = dict(T=st.sampled_from([1, 2, 16, 17, 100, 130]), hk=st.integers(1, 2),
 
 
 @given(**shapes, dtype=st.sampled_from(["float32", "bfloat16"]), chunk_size=st.sampled_from([None, 0, 64]))
-def test_gated_delta_rule_matches_reference(backend, T, hk, ratio, dk, dv, seed, dtype, chunk_size):
+def test_gated_delta_rule_matches_reference(T, hk, ratio, dk, dv, seed, dtype, chunk_size):
     q, k, v, g, beta, state = gdn_inputs(seed, T, hk, ratio, dk, dv, dtype)
-    o_ref, s_ref = reference(q, k, v, g, beta, state)
-    s = state.copy()
-    o = la.gated_delta_rule(q, k, v, g, beta, s, chunk_size=chunk_size, backend=backend)
-    assert o.dtype == np.float32 and o.shape == (T, hk * ratio, dv)
-    assert_close(o, o_ref, **TOL_STATE, what="o")
-    assert_close(s, s_ref, **TOL_STATE, what="state")
+    o_ref, s_ref = reference(q, k, v, g, beta, state)  # once for all backends: the float64 oracle is the slow part
+    for backend in ALL_BACKENDS:
+        s = state.copy()
+        o = la.gated_delta_rule(q, k, v, g, beta, s, chunk_size=chunk_size, backend=backend)
+        assert o.dtype == np.float32 and o.shape == (T, hk * ratio, dv)
+        assert_close(o, o_ref, **TOL_STATE, what=f"{backend} o")
+        assert_close(s, s_ref, **TOL_STATE, what=f"{backend} state")
 
 
 @given(T=st.integers(1, 140), dv=st.sampled_from([16, 19, 32]), chunk_size=st.sampled_from([1, 16, 64]),
        seed=st.integers(0, 2**32 - 1))
-def test_chunked_equals_recurrent(backend, T, dv, chunk_size, seed):
+def test_chunked_equals_recurrent(kernel_backend, T, dv, chunk_size, seed):
+    # (the torch forms: test_reference_chunked_equals_recurrence)
     q, k, v, g, beta, state = gdn_inputs(seed, T, 2, 2, 32, dv)
     s_rec, s_chunk = state.copy(), state.copy()
-    o_rec = la.gated_delta_rule(q, k, v, g, beta, s_rec, chunk_size=0, backend=backend)
-    o_chunk = la.gated_delta_rule(q, k, v, g, beta, s_chunk, chunk_size=chunk_size, backend=backend)
+    o_rec = la.gated_delta_rule(q, k, v, g, beta, s_rec, chunk_size=0, backend=kernel_backend)
+    o_chunk = la.gated_delta_rule(q, k, v, g, beta, s_chunk, chunk_size=chunk_size, backend=kernel_backend)
     assert_close(o_chunk, o_rec, **TOL_STATE, what="o")
     assert_close(s_chunk, s_rec, **TOL_STATE, what="state")
 
@@ -93,12 +95,23 @@ def test_checkpoint_restore_prefix(backend, a, seed, dv):
                                   backend=backend)
         assert_close(o_t[0], o[t], **TOL_STATE, what=f"o[{t}]")
     assert_close(restored, step, **TOL_STATE, what="restored state")
+    # restore by recompute: re-running the prefix 0..a as one block reproduces the checkpoint exactly
+    s3 = state.copy()
+    o3 = la.gated_delta_rule(q[: a + 1], k[: a + 1], v[: a + 1], g[: a + 1], beta[: a + 1], s3, backend=backend)
+    np.testing.assert_array_equal(s3, ckpts[a])
+    np.testing.assert_array_equal(o3, o[: a + 1])
     # a subset of checkpoints, in the caller's order
     s2 = state.copy()
     keep = [a] + [i for i in (15, 0) if i != a]
     o2, some = la.gated_delta_rule(q, k, v, g, beta, s2, checkpoints=keep, backend=backend)
     np.testing.assert_array_equal(o2, o)
     np.testing.assert_array_equal(some, ckpts[keep])
+    # into a caller's reusable buffer (torch here), returned as is
+    buf = torch.full((len(keep), 4, 32, dv), np.nan)
+    _, got = la.gated_delta_rule(q, k, v, g, beta, state.copy(), checkpoints=keep, checkpoints_out=buf,
+                                 backend=backend)
+    assert got is buf
+    np.testing.assert_array_equal(buf.numpy(), some)
 
 
 def test_state_updated_in_place_torch_and_numpy(backend):
@@ -196,6 +209,10 @@ def test_gated_delta_rule_bad_input():
         f(q, k, v, g, beta, state, chunk_size=-2)
     with pytest.raises(ValueError, match="checkpoints"):
         f(q, k, v, g, beta, state, chunk_size=64, checkpoints=True)
+    with pytest.raises(ValueError, match="checkpoints_out must have shape"):
+        f(q, k, v, g, beta, state, checkpoints=True, checkpoints_out=np.zeros((3, 4, 16, 16), np.float32))
+    with pytest.raises(ValueError, match="checkpoints_out needs"):
+        f(q, k, v, g, beta, state, checkpoints_out=np.zeros((4, 4, 16, 16), np.float32))
 
 
 # ------------------------------------------------------------------------- causal conv1d

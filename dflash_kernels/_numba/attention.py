@@ -16,7 +16,7 @@ from ._common import JIT, load_f32
 KT = 64  # keys per tile
 QROWS = 64  # packed query rows (positions x group heads) per work item
 SPLIT_ITEMS = 16  # split key ranges until there are about this many work items ...
-SPLIT_MIN_KEYS = 256  # ... but keep at least this many keys per split
+SPLIT_MIN_KEYS = 128  # ... but keep at least this many keys per split
 
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)

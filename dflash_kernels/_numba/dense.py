@@ -12,8 +12,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .._threads import numba_threads
-from ._common import JIT
+from ._common import JIT as _JIT
 
+# error_model="numpy": no zero-division checks in float divisions, which would block vectorisation.
+JIT = dict(_JIT, error_model="numpy")
 F32 = np.float32
 PARALLEL_MACS = 1 << 18  # linear: multiply-adds below which one thread is faster
 PARALLEL_ELEMS = 1 << 15  # elementwise ops: elements below which one thread is faster
@@ -137,11 +139,13 @@ def _linear_impl(x, w, bias, out, n_tasks):
                         panel[r, k] = as_f32(w[n0 + r, k])
                 for m in range(0, M - 1, 2):
                     a0, a1, a2, a3, b0, b1, b2, b3 = _rows4_x2(x[m], x[m + 1], panel, K)
-                    out[m, n0], out[m, n0 + 1], out[m, n0 + 2], out[m, n0 + 3] = a0, a1, a2, a3
-                    out[m + 1, n0], out[m + 1, n0 + 1], out[m + 1, n0 + 2], out[m + 1, n0 + 3] = b0, b1, b2, b3
+                    oa, ob = out[m, n0:n0 + 4], out[m + 1, n0:n0 + 4]
+                    oa[0], oa[1], oa[2], oa[3] = a0, a1, a2, a3
+                    ob[0], ob[1], ob[2], ob[3] = b0, b1, b2, b3
                 if M % 2:
                     s0, s1, s2, s3 = _rows4(x[M - 1], panel, 0, K)
-                    out[M - 1, n0], out[M - 1, n0 + 1], out[M - 1, n0 + 2], out[M - 1, n0 + 3] = s0, s1, s2, s3
+                    o = out[M - 1, n0:n0 + 4]
+                    o[0], o[1], o[2], o[3] = s0, s1, s2, s3
             if bias is not None:
                 for m in range(M):
                     for n in range(n0, min(n0 + 4, N)):
@@ -183,7 +187,8 @@ def _rms_norm_residual_impl(x, residual, w, out, new_residual, eps, offset):
 
 
 _rms_norm = (njit(**JIT)(_rms_norm_impl), njit(parallel=True, **JIT)(_rms_norm_impl))
-_rms_norm_residual = (njit(**JIT)(_rms_norm_residual_impl), njit(parallel=True, **JIT)(_rms_norm_residual_impl))
+_rms_norm_residual = (njit(**JIT)(_rms_norm_residual_impl),
+                      njit(parallel=True, **JIT)(_rms_norm_residual_impl))
 
 
 def rms_norm(x, w, out, *, n_threads, eps, offset=0.0):
