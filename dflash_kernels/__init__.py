@@ -13,9 +13,23 @@ from .acceptance import accept_greedy, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .dense import apply_rope, linear, rms_norm, silu_and_mul
 from .denoise import denoise_block, make_draft_block
+from .linear_attention import (
+    apply_output_gate,
+    causal_conv1d,
+    conv_state_at,
+    gated_delta_rule,
+    gated_rms_norm,
+    split_query_gate,
+)
 
 __all__ = [
     "accept_greedy",
+    "apply_output_gate",
+    "causal_conv1d",
+    "conv_state_at",
+    "gated_delta_rule",
+    "gated_rms_norm",
+    "split_query_gate",
     "apply_rope",
     "available_backends",
     "cached_attention",

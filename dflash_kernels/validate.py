@@ -72,6 +72,25 @@ def _checks(seed: int) -> list[Check]:
     checks.append(Check("apply_rope 16x32x128 theta 1e6", lambda b: dk.apply_rope(xr, pos, 1e6, backend=b)))
     checks.append(Check("apply_rope partial 64/256 theta 1e7",
                         lambda b, x=f(16, 4, 256): dk.apply_rope(x, pos, 1e7, rotary_dim=64, backend=b)))
+    # Qwen3.5 Gated DeltaNet (state updated in place: each backend gets its own copy)
+    for t in (1, 16, 100):
+        gq, gk, gv = f(t, 4, 64), f(t, 4, 64), f(t, 8, 64)
+        gg = -np.abs(f(t, 8, s=0.5))
+        gb = 1 / (1 + np.exp(-f(t, 8)))
+        s0 = f(8, 64, 64, s=0.1)
+
+        def gdn(b, a=(gq, gk, gv, gg, gb), s0=s0):
+            st = s0.copy()
+            return dk.gated_delta_rule(*a, st, backend=b), st
+
+        checks.append(Check(f"gated_delta_rule T={t} 4/8 heads 64x64", gdn))
+        xc, wc, c0 = f(t, 96), f(96, 4, s=0.5), f(96, 3)
+
+        def conv(b, a=(xc, wc), c0=c0):
+            cs = c0.copy()
+            return dk.causal_conv1d(*a, cs, backend=b), cs
+
+        checks.append(Check(f"causal_conv1d T={t} C=96 K=4", conv))
     # acceptance (exact)
     v, k = 2000, 15
     drafts = rng.integers(0, v, (4, k))

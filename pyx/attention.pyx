@@ -210,7 +210,7 @@ cdef struct Problem:
     float scale
     Py_ssize_t qb_t    # query positions per work item
     Py_ssize_t n_qb    # query blocks
-    Py_ssize_t split   # key splits per (kv head, query block)
+    Py_ssize_t split   # key splits per query block
     Py_ssize_t rows    # packed rows per item, rounded up to RB
 
 
@@ -349,10 +349,10 @@ cdef inline void _softmax_update(float* srow, float* m, float* l, float* accrow,
 
 
 cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
-    """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, one row,
-    and m, l, acc of all heads."""
+    """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
+    m, l, acc of all heads."""
     cdef Py_ssize_t Rp = P.rows, H = P.H_kv
-    return H * Rp * P.D + P.D * KT + KT * P.Dp + Rp * KT + P.D + H * (2 * Rp + Rp * P.Dp)
+    return H * Rp * P.D + P.D * KT + KT * P.Dp + Rp * KT + H * (2 * Rp + Rp * P.Dp)
 
 
 cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
@@ -376,7 +376,6 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef float* kt = qp + H * Rp * D     # (D, KT)
     cdef float* vt = kt + D * KT         # (KT, Dp)
     cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities
-    cdef float* row = sc + Rp * KT       # (D,)
     cdef float* m                        # (H_kv, Rp) running max
     cdef float* l                        # (H_kv, Rp) running sum
     cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
@@ -385,7 +384,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef float* lg
     cdef float* ag
     if split == 1:                       # this thread's m, l, acc
-        m = row + D
+        m = sc + Rp * KT
         l = m + H * Rp
         acc = l + H * Rp
     else:                                # the item's slots in the partials

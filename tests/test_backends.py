@@ -14,7 +14,7 @@ def test_cython_built_unless_disabled():
     # A silent fallback to Numba would hide a broken build: fail unless the build was switched off.
     if os.environ.get("DFLASH_NO_CYTHON") == "1":
         pytest.skip("DFLASH_NO_CYTHON=1: the Cython build was switched off on purpose")
-    for family in ("attention", "dense", "denoise", "acceptance"):
+    for family in ("attention", "dense", "denoise", "acceptance", "linear_attention"):
         assert backend_error("cython", family) is None, f"Cython {family} failed to load: {backend_error('cython', family)}"
 
 
