@@ -13,6 +13,7 @@ import torch
 F32 = "float32"
 BF16 = "bfloat16"
 FLOAT_DTYPES = (F32, BF16)
+_NUMPY_KINDS = {np.dtype(np.float32): F32, np.dtype(np.uint16): BF16}
 
 
 def is_torch(x) -> bool:
@@ -23,8 +24,8 @@ def dtype_name(x) -> str:
     """'float32', 'bfloat16' (torch bf16 or numpy uint16), or the raw dtype name."""
     if is_torch(x):
         return {torch.float32: F32, torch.bfloat16: BF16}.get(x.dtype, str(x.dtype).replace("torch.", ""))
-    dt = np.asarray(x).dtype
-    return BF16 if dt == np.uint16 else dt.name
+    dt = x.dtype if isinstance(x, np.ndarray) else np.asarray(x).dtype
+    return _NUMPY_KINDS.get(dt) or dt.name  # dict lookup: dtype.name is slow in a per-call path
 
 
 def _numpy_view(x, name: str) -> np.ndarray:

@@ -114,6 +114,19 @@ def _log(path: Path, **row) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _resume(state_path: Path, log_path: Path, model, opt) -> int:
+    """Load model + optimizer from the last saved state; drop log rows written after it."""
+    if not state_path.exists():
+        return 0
+    st = torch.load(state_path)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    if log_path.exists():
+        rows = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= st["step"]]
+        log_path.write_text("".join(r + "\n" for r in rows))
+    return st["step"]
+
+
 def _save_state(path: Path, model, opt, step: int, extra: dict | None = None) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, **(extra or {})}, tmp)
@@ -150,12 +163,7 @@ def train_target(out_dir, tokenizer_json, *, steps=6000, batch=16, seq=256, lr=2
     model = Qwen3LM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
-    step = 0
-    if resume and state_path.exists():
-        st = torch.load(state_path)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
+    step = _resume(state_path, log_path, model, opt) if resume else 0
     train_ids = torch.from_numpy(encode_corpus(tokenizer_json, "train", bos).astype(np.int64))
     eval_ids = torch.from_numpy(encode_corpus(tokenizer_json, "eval", bos).astype(np.int64))
     gen = torch.Generator().manual_seed(seed + step)
@@ -264,12 +272,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         torch.save(seqs, data_path)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
-    step = 0
-    if resume and state_path.exists():
-        st = torch.load(state_path)
-        drafter.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
+    step = _resume(state_path, log_path, drafter, opt) if resume else 0
     weights = block_loss_weights(block_size)
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     n_eval = max(1, len(seqs) // 16)

@@ -45,8 +45,21 @@ def test_target_loss_falls_and_resumes(tiny_pair):
     assert len(losses) == 40
     assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 0.5
     assert np.isfinite(target["held_out_loss"])
-    state = torch.load(out / "target" / "train_state.pt")
-    assert state["step"] == 40  # resumable: the saved step matches the log
+    assert torch.load(out / "target" / "train_state.pt")["step"] == 40
+
+
+def test_target_training_resumes(tiny_pair, tmp_path):
+    import shutil
+
+    out, _, _ = tiny_pair
+    run = tmp_path / "target"
+    shutil.copytree(out / "target", run)
+    with open(run / "train_log.jsonl", "a") as f:  # rows of an interrupted run after the last save
+        f.write(json.dumps({"step": 41, "loss": 9.0}) + "\n")
+    result = T.train_target(run, out / "tok" / "tokenizer.json", steps=50, batch=4, seq=64, lr=3e-3,
+                            eval_every=20, quiet=True, config_overrides=TINY)
+    steps = [json.loads(line)["step"] for line in open(run / "train_log.jsonl")]
+    assert steps == list(range(1, 51)) and result["steps"] == 50
 
 
 def test_drafter_loss_falls(tiny_pair):

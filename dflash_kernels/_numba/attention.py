@@ -96,7 +96,6 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
         m[:] = -np.inf
         lsum[:] = 0.0
         acc[:] = 0.0
-    kt = np.zeros((d, KT), np.float32)  # K tile, transposed
     vt = np.zeros((KT, dp), np.float32)
     row = np.empty(d, np.float32)
     sc = np.empty((rows, KT), np.float32)
@@ -107,7 +106,9 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
         j0 = lo_min + tile * KT
         kn = min(KT, hi_max + 1 - j0)
         for g in range(h_kv):  # every head per tile: the tile's rows of all heads share pages
-            for c in range(kn):  # load (and upcast) the tile; padding stays zero
+            # per key of the tile: load (and upcast) its K and V rows, S[:, c] = Q k_c as dot
+            # products over D, four query rows per pass over the row; padding keys stay zero
+            for c in range(kn):
                 j = j0 + c
                 if j < t1:
                     load_f32(k1[j, g], row)
@@ -115,23 +116,18 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
                 else:
                     load_f32(k2[j - t1, g], row)
                     load_f32(v2[j - t1, g], vt[c, :d])
-                for i in range(d):
-                    kt[i, c] = row[i]
+                for r0 in range(0, rows, 4):
+                    q0, q1, q2, q3 = qp[g, r0], qp[g, r0 + 1], qp[g, r0 + 2], qp[g, r0 + 3]
+                    s0 = s1 = s2 = s3 = np.float32(0.0)
+                    for i in range(d):
+                        x = row[i]
+                        s0 += q0[i] * x
+                        s1 += q1[i] * x
+                        s2 += q2[i] * x
+                        s3 += q3[i] * x
+                    sc[r0, c], sc[r0 + 1, c], sc[r0 + 2, c], sc[r0 + 3, c] = s0, s1, s2, s3
             for c in range(kn, KT):
-                kt[:, c] = 0.0
                 vt[c, :] = 0.0
-            # S = Q K^T, four query rows per pass over K^T
-            sc[:, :] = 0.0
-            for r0 in range(0, rows, 4):
-                for i in range(d):
-                    kk = kt[i]
-                    a0, a1, a2, a3 = qp[g, r0, i], qp[g, r0 + 1, i], qp[g, r0 + 2, i], qp[g, r0 + 3, i]
-                    s0, s1, s2, s3 = sc[r0], sc[r0 + 1], sc[r0 + 2], sc[r0 + 3]
-                    for c in range(KT):
-                        s0[c] += a0 * kk[c]
-                        s1[c] += a1 * kk[c]
-                        s2[c] += a2 * kk[c]
-                        s3[c] += a3 * kk[c]
             # mask each row to its interval, online softmax
             for r in range(rows):
                 srow = sc[r]
