@@ -16,6 +16,7 @@ from .config import (
     load_generation_config,
     load_qwen3_config,
 )
+from .defaults import default_model_dirs, load_default
 from .drafter import ContextCache, DFlashDrafter
 from .engine import Engine, GenerationResult, load
 from .metrics import Metrics, aggregate, speedup
@@ -28,7 +29,8 @@ from .weights import WeightsError, read_checkpoint, read_safetensors
 __all__ = [
     "ConfigError", "ContextCache", "DFlashConfig", "DFlashDrafter", "Engine", "GenerationResult",
     "HybridCache", "KVCache", "Metrics", "Qwen3Config", "Qwen3Model", "Qwen35Config", "Qwen35Model",
-    "StreamDecoder", "Tokenizer", "TokenizerError", "WeightsError", "aggregate", "default_target_layer_ids",
+    "StreamDecoder", "Tokenizer", "TokenizerError", "WeightsError", "aggregate", "default_model_dirs",
+    "default_target_layer_ids", "load_default",
     "load", "load_dflash_config", "load_generation_config", "load_qwen3_config", "load_qwen35_config",
     "load_target_config", "read_checkpoint", "read_safetensors", "render_chat", "speedup", "stop_token_ids",
 ]

@@ -1,0 +1,39 @@
+"""The shipped trained pair: loads in the public layout, is lossless, and keeps its acceptance."""
+
+import json
+
+import pytest
+
+from dflash_kernels.model import default_model_dirs, load_default
+from dflash_kernels.model.corpus import eval_prompts
+
+# Measured tau of the shipped pair on these three held-out prompts is recorded in
+# dflash_kernels/model/default/README.md; the floor sits well below it so that a real regression
+# (taps, RoPE, mask token, layout) fails, while kernel-level float noise does not.
+TAU_FLOOR = 2.0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_default(n_threads=1)
+
+
+def test_default_dirs_hold_the_public_layout():
+    target, drafter = default_model_dirs()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors"):
+        assert (target / name).is_file(), name
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert set(cfg["dflash_config"]) >= {"mask_token_id", "target_layer_ids", "block_size"}
+    size = sum(f.stat().st_size for d in (target, drafter) for f in d.iterdir())
+    assert size < 30e6
+
+
+def test_shipped_pair_is_lossless_and_accepts(engine):
+    taus = []
+    for prompt in eval_prompts(3):
+        ar = engine.generate(prompt, 64, num_speculative_tokens=0, ignore_eos=True)
+        sd = engine.generate(prompt, 64, ignore_eos=True)
+        assert sd.token_ids == ar.token_ids
+        taus.append(sd.metrics.tau)
+    assert sum(taus) / len(taus) >= TAU_FLOOR, taus
