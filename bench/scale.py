@@ -1,14 +1,16 @@
-"""Scale benchmark: random-weight bf16 checkpoints at real Qwen3 shapes with a matching 5-layer DFlash
-drafter (written on the fly to a temporary directory, never committed).
+"""Scale benchmark: random-weight bf16 checkpoints at real Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) shapes
+with a matching 5-layer DFlash drafter (written on the fly to a temporary directory, never committed).
 
 Measures, side by side in one process: T_ar (one decode step: target forward + greedy choice),
 T_draft(k) (drafter block forward + token choice), T_verify(k) (target forward over k+1 rows + greedy),
 T_accept (accept_greedy + cache cut + drafter context append) and the projected speedup
 tau(k) * T_ar / (T_draft(k) + T_verify(k) + T_accept) (dflash.md 5) for a given tau table; and the
 AR step against the weight-streaming roofline (bytes read per step / streaming read bandwidth measured
-in the same run).
+in the same run). For a Qwen3.5 target it also times the rollback after a k=15 verification
+(``HybridCache.truncate`` to an accepted prefix of 6 drafts: restoring the Gated DeltaNet states).
 
     python bench/scale.py --shape Qwen3-1.7B --tau-json trained_tau.json --out results.json
+    python bench/scale.py --shape Qwen3.5-0.8B --repeats 3
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,50 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B  # noqa: E402
 
-SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B)}
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """A Qwen3.5 dense text model (qwen.md 2.2): Gated DeltaNet layers with one gated full-attention
+    layer every ``interval``; and the Qwen3-style layers of its DFlash drafter."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int  # full-attention query heads (head_dim 256, q_proj rows = 2 x heads x head_dim: query | gate)
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    lin_k_heads: int = 16
+    lin_v_heads: int = 16
+    lin_k_dim: int = 128
+    lin_v_dim: int = 128
+    conv_kernel: int = 4
+    interval: int = 4  # full_attention_interval: layer i is full attention iff (i + 1) % 4 == 0
+    partial_rotary: float = 0.25
+    rope_theta: float = 1e7
+    tie: bool = True
+    # Drafter attention. The released Qwen3.5-9B drafter has 32/8 heads x 128 at width 4096
+    # (q width = hidden). No small Qwen3.5 drafter is public; we keep 16 query heads x 128 as the
+    # smallest Qwen3 family does (Qwen3-0.6B / 1.7B) and the drafter's 4:1 GQA: 16/4 for 1024 and 2048.
+    draft_heads: int = 16
+    draft_kv_heads: int = 4
+    draft_head_dim: int = 128
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.interval == 0 else "linear_attention" for i in range(self.layers)]
+
+    @property
+    def conv_dim(self) -> int:  # GDN conv channels [q | k | v]
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+
+QWEN3_5_0_8B = HybridShape("Qwen3.5-0.8B", 1024, 3584, 24, 8, 2, 256, 248320)
+QWEN3_5_2B = HybridShape("Qwen3.5-2B", 2048, 6144, 24, 8, 2, 256, 248320)
+SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B, QWEN3_5_0_8B, QWEN3_5_2B)}
+QWEN35_MASK_TOKEN_ID = 248070  # dflash.md 2: mask token of the Qwen3.5 drafters
 PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (dflash.md 8)
 
 
@@ -36,8 +82,50 @@ def _randn_bf16(*shape, std=0.02, gen=None):
     return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
 
+def _qwen3_layer(prefix, h, i, hd, nh, nkv, gen):
+    """One Qwen3 decoder layer (target or drafter), norms at one."""
+    return {
+        f"{prefix}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        f"{prefix}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        f"{prefix}self_attn.q_proj.weight": _randn_bf16(nh * hd, h, gen=gen),
+        f"{prefix}self_attn.k_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
+        f"{prefix}self_attn.v_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
+        f"{prefix}self_attn.o_proj.weight": _randn_bf16(h, nh * hd, gen=gen),
+        f"{prefix}self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+        f"{prefix}self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+        f"{prefix}mlp.gate_proj.weight": _randn_bf16(i, h, gen=gen),
+        f"{prefix}mlp.up_proj.weight": _randn_bf16(i, h, gen=gen),
+        f"{prefix}mlp.down_proj.weight": _randn_bf16(h, i, gen=gen),
+    }
+
+
+def _default_taps(n_target_layers: int, draft_layers: int) -> list[int]:
+    """dflash.md 6: round(1 + j (L - 4) / (n - 1)) for j in 0..n-1."""
+    return [round(1 + j * (n_target_layers - 4) / (draft_layers - 1)) for j in range(draft_layers)]
+
+
+def _write_drafter(d_dir: Path, dcfg: dict, *, draft_layers: int, n_target_layers: int, mask_token_id: int,
+                   gen) -> None:
+    """The DFlash drafter: Qwen3-style layers at the attention shape in dcfg, fc over the taps."""
+    h, i, hd = dcfg["hidden_size"], dcfg["intermediate_size"], dcfg["head_dim"]
+    nh, nkv = dcfg["num_attention_heads"], dcfg["num_key_value_heads"]
+    taps = _default_taps(n_target_layers, draft_layers)
+    dcfg = dict(dcfg, architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=draft_layers,
+                num_target_layers=n_target_layers, block_size=16, tie_word_embeddings=False,
+                torch_dtype="bfloat16", layer_types=["full_attention"] * draft_layers,
+                dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": taps, "block_size": 16})
+    (d_dir / "config.json").write_text(json.dumps(dcfg))
+    dt = {"fc.weight": _randn_bf16(h, len(taps) * h, gen=gen), "hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+          "norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for li in range(draft_layers):
+        dt.update(_qwen3_layer(f"layers.{li}.", h, i, hd, nh, nkv, gen))
+    save_file(dt, str(d_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0) -> tuple[Path, Path]:
     """A random target at shape `s` (tied embeddings as in the real 0.6B/1.7B) and a 5-layer drafter."""
+    if isinstance(s, HybridShape):
+        return write_pair_qwen35(root, s, draft_layers, seed)
     gen = torch.Generator().manual_seed(seed)
     t_dir, d_dir = root / "target", root / "drafter"
     t_dir.mkdir(parents=True)
@@ -49,45 +137,118 @@ def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0) -> tuple[Pat
                tie_word_embeddings=s.hidden < 4096, torch_dtype="bfloat16", hidden_act="silu",
                attention_bias=False, bos_token_id=151643, eos_token_id=151645)
     (t_dir / "config.json").write_text(json.dumps(cfg))
-
-    def layer(prefix):
-        return {
-            f"{prefix}input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            f"{prefix}post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            f"{prefix}self_attn.q_proj.weight": _randn_bf16(nh * hd, h, gen=gen),
-            f"{prefix}self_attn.k_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
-            f"{prefix}self_attn.v_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
-            f"{prefix}self_attn.o_proj.weight": _randn_bf16(h, nh * hd, gen=gen),
-            f"{prefix}self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-            f"{prefix}self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-            f"{prefix}mlp.gate_proj.weight": _randn_bf16(i, h, gen=gen),
-            f"{prefix}mlp.up_proj.weight": _randn_bf16(i, h, gen=gen),
-            f"{prefix}mlp.down_proj.weight": _randn_bf16(h, i, gen=gen),
-        }
-
     tensors = {"model.embed_tokens.weight": _randn_bf16(s.vocab, h, std=1.0, gen=gen),
                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     if not cfg["tie_word_embeddings"]:
         tensors["lm_head.weight"] = _randn_bf16(s.vocab, h, gen=gen)
     for li in range(s.layers):
-        tensors.update(layer(f"model.layers.{li}."))
+        tensors.update(_qwen3_layer(f"model.layers.{li}.", h, i, hd, nh, nkv, gen))
     save_file(tensors, str(t_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
-    taps = [round(1 + j * (s.layers - 4) / (draft_layers - 1)) for j in range(draft_layers)]
     dcfg = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                 "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
                                 "hidden_act", "attention_bias")}
-    dcfg.update(architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=draft_layers,
-                num_target_layers=s.layers, block_size=16, tie_word_embeddings=False, torch_dtype="bfloat16",
-                layer_types=["full_attention"] * draft_layers,
-                dflash_config={"mask_token_id": 151669, "target_layer_ids": taps, "block_size": 16})
-    (d_dir / "config.json").write_text(json.dumps(dcfg))
-    dt = {"fc.weight": _randn_bf16(h, len(taps) * h, gen=gen), "hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
-          "norm.weight": torch.ones(h, dtype=torch.bfloat16)}
-    for li in range(draft_layers):
-        dt.update(layer(f"layers.{li}."))
-    save_file(dt, str(d_dir / "model.safetensors"), metadata={"format": "pt"})
+    _write_drafter(d_dir, dcfg, draft_layers=draft_layers, n_target_layers=s.layers, mask_token_id=151669, gen=gen)
     return t_dir, d_dir
+
+
+def write_pair_qwen35(root: Path, s: HybridShape, draft_layers: int = 5, seed: int = 0) -> tuple[Path, Path]:
+    """A random Qwen3.5 target in the text-only ``Qwen3_5ForCausalLM`` layout (prefix ``model.``, A_log and
+    linear_attn.norm.weight F32, the rest bf16; qwen.md 2.3) and its 5-layer DFlash drafter. Init as the
+    trained models look: zero-centred norm weights near 0, gated-norm weights near 1, A_log = log(U(1, 16)),
+    dt_bias near 1, projections std 0.02."""
+    gen = torch.Generator().manual_seed(seed)
+    t_dir, d_dir = root / "target", root / "drafter"
+    t_dir.mkdir(parents=True)
+    d_dir.mkdir(parents=True)
+    h, i, hd, nh, nkv = s.hidden, s.intermediate, s.head_dim, s.heads, s.kv_heads
+    Hv, dv, K, C = s.lin_v_heads, s.lin_v_dim, s.conv_kernel, s.conv_dim
+    n_freq = int(hd * s.partial_rotary) // 2
+    cfg = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=h, intermediate_size=i,
+               num_hidden_layers=s.layers, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+               hidden_act="silu", attention_bias=False, attention_dropout=0.0, attn_output_gate=True,
+               rms_norm_eps=1e-6, vocab_size=s.vocab, max_position_embeddings=262144,
+               full_attention_interval=s.interval, layer_types=s.layer_types, linear_conv_kernel_dim=K,
+               linear_key_head_dim=s.lin_k_dim, linear_value_head_dim=dv, linear_num_key_heads=s.lin_k_heads,
+               linear_num_value_heads=Hv, mamba_ssm_dtype="float32", mtp_num_hidden_layers=1,
+               rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta,
+                                "partial_rotary_factor": s.partial_rotary, "mrope_interleaved": True,
+                                "mrope_section": [n_freq - 2 * (n_freq // 3), n_freq // 3, n_freq // 3]},
+               partial_rotary_factor=s.partial_rotary, tie_word_embeddings=s.tie, dtype="bfloat16",
+               eos_token_id=248044, bos_token_id=None, pad_token_id=None)
+    (t_dir / "config.json").write_text(json.dumps(cfg))
+
+    def znorm(n):  # zero-centred RMSNorm weight: the scale is 1 + w
+        return (0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": _randn_bf16(s.vocab, h, std=1.0, gen=gen), "model.norm.weight": znorm(h)}
+    if not s.tie:
+        tensors["lm_head.weight"] = _randn_bf16(s.vocab, h, gen=gen)
+    for li, kind in enumerate(s.layer_types):
+        p = f"model.layers.{li}."
+        tensors.update({
+            p + "input_layernorm.weight": znorm(h), p + "post_attention_layernorm.weight": znorm(h),
+            p + "mlp.gate_proj.weight": _randn_bf16(i, h, gen=gen),
+            p + "mlp.up_proj.weight": _randn_bf16(i, h, gen=gen),
+            p + "mlp.down_proj.weight": _randn_bf16(h, i, gen=gen),
+        })
+        if kind == "full_attention":
+            a = p + "self_attn."
+            tensors.update({
+                a + "q_proj.weight": _randn_bf16(2 * nh * hd, h, gen=gen),  # per head [query | gate]
+                a + "k_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
+                a + "v_proj.weight": _randn_bf16(nkv * hd, h, gen=gen),
+                a + "o_proj.weight": _randn_bf16(h, nh * hd, gen=gen),
+                a + "q_norm.weight": znorm(hd), a + "k_norm.weight": znorm(hd),
+            })
+        else:
+            a = p + "linear_attn."
+            tensors.update({
+                a + "in_proj_qkv.weight": _randn_bf16(C, h, gen=gen),
+                a + "in_proj_z.weight": _randn_bf16(Hv * dv, h, gen=gen),
+                a + "in_proj_b.weight": _randn_bf16(Hv, h, gen=gen),
+                a + "in_proj_a.weight": _randn_bf16(Hv, h, gen=gen),
+                a + "conv1d.weight": _randn_bf16(C, 1, K, std=K ** -0.5, gen=gen),
+                a + "A_log": torch.log(1.0 + 15.0 * torch.rand(Hv, generator=gen)),  # F32, log U(1, 16)
+                a + "dt_bias": (1.0 + 0.1 * torch.randn(Hv, generator=gen)).to(torch.bfloat16),
+                a + "norm.weight": 1.0 + 0.1 * torch.randn(dv, generator=gen),  # F32, gated norm near 1
+                a + "out_proj.weight": _randn_bf16(h, Hv * dv, gen=gen),
+            })
+    save_file(tensors, str(t_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    dcfg = dict(hidden_size=h, intermediate_size=i, num_attention_heads=s.draft_heads,
+                num_key_value_heads=s.draft_kv_heads, head_dim=s.draft_head_dim, vocab_size=s.vocab,
+                rms_norm_eps=1e-6, rope_theta=s.rope_theta, max_position_embeddings=262144, hidden_act="silu",
+                attention_bias=False)
+    _write_drafter(d_dir, dcfg, draft_layers=draft_layers, n_target_layers=s.layers,
+                   mask_token_id=QWEN35_MASK_TOKEN_ID, gen=gen)
+    return t_dir, d_dir
+
+
+def step_bytes(s, context: int) -> tuple[int, int]:
+    """(bf16 weight bytes one decode step streams, cache bytes it reads/writes at `context`).
+
+    Qwen3: every layer's projections + the LM head; K/V (float32 cache) of every layer are read.
+    Qwen3.5: linear layers read [in_proj_qkv; z; b; a], conv1d and out_proj, full layers the gated
+    q_proj (2 x q width), k/v/o; both the MLP. Cache: K/V of the full layers only, plus each linear
+    layer's recurrent state (H_v, d_k, d_v) and conv state (C, K-1) float32, read and written back.
+    """
+    if not isinstance(s, HybridShape):
+        per_layer = 2 * (s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.hidden * s.heads * s.head_dim
+                         + 3 * s.hidden * s.intermediate)
+        weights = s.layers * per_layer + 2 * s.vocab * s.hidden  # bf16 weights + the LM head read per step
+        return weights, s.layers * 2 * context * s.kv_heads * s.head_dim * 4
+    h, mlp = s.hidden, 3 * s.hidden * s.intermediate
+    vd = s.lin_v_heads * s.lin_v_dim
+    lin = h * (s.conv_dim + vd + 2 * s.lin_v_heads) + s.conv_dim * s.conv_kernel + h * vd + mlp
+    qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    full = h * (2 * qd + 2 * kvd) + h * qd + mlp
+    n_full = s.layer_types.count("full_attention")
+    n_lin = s.layers - n_full
+    weights = 2 * (n_lin * lin + n_full * full + s.vocab * h)
+    kv = n_full * 2 * context * kvd * 4
+    states = n_lin * 2 * 4 * (s.lin_v_heads * s.lin_k_dim * s.lin_v_dim + s.conv_dim * (s.conv_kernel - 1))
+    return weights, kv + states
 
 
 def stream_read_gbs(n_bytes: int, n_threads: int, repeats: int = 5) -> float:
@@ -112,17 +273,46 @@ def stream_read_gbs(n_bytes: int, n_threads: int, repeats: int = 5) -> float:
     return n_bytes / statistics.median(times) / 1e9
 
 
-def _median(fn, n):
+def _median(fn, n, after=None):
+    """Median wall time of fn over n calls after one warm-up; after() (untimed) runs after each call."""
     fn()
+    if after:
+        after()
     ts = []
     for _ in range(n):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
+        if after:
+            after()
     return statistics.median(ts)
 
 
-def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16)) -> dict:
+def _rewinder(cache, base: int):
+    """A function that puts `cache` back to `base` positions between timed calls (untimed).
+
+    A Qwen3 KV cache is cut. The hybrid cache's Gated DeltaNet states can only be restored to a
+    position inside the last verification block (HybridCache.truncate: start+1 .. start+n, never back
+    to start itself), so its conv/recurrent states are copied back from a snapshot taken at `base`;
+    the full-attention K/V rows past `base` are simply overwritten later. The checkpoints of the last
+    verification are left in place, so an accept / rollback timing can still truncate into that block.
+    """
+    if not hasattr(cache, "state"):
+        return lambda: cache.truncate(base)
+    conv, state = cache.conv.copy(), cache.state.copy()
+
+    def rewind():
+        cache.length = base
+        np.copyto(cache.conv, conv)
+        np.copyto(cache.state, state)
+
+    return rewind
+
+
+def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
+            rollback=(15, 6)) -> dict:
+    """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
+    after a k-draft verification (the Gated DeltaNet state restore), None to skip."""
     from dflash_kernels.model import load
 
     eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64)
@@ -134,13 +324,14 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     dr.add_context(taps, ctx)
     base = cache.length
     anchor = int(prompt[-1])
+    rewind = _rewinder(cache, base)
+    hybrid = hasattr(cache, "state")
 
     def ar_step():
         h, _ = tgt.forward([anchor], cache, taps=False)
         tgt.greedy(h)
-        cache.truncate(base)
 
-    res = {"context": context, "t_ar_s": _median(ar_step, repeats), "k": {}}
+    res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {}}
     for k in ks:
         drafts = dr.draft(anchor, k, ctx)
         block = np.concatenate([[anchor], drafts]).astype(np.int64)
@@ -148,11 +339,10 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         def verify():
             h, _ = tgt.forward(block, cache, taps=True)
             tgt.greedy(h)
-            cache.truncate(base)
 
-        h, vt = tgt.forward(block, cache, taps=True)
+        h, vt = tgt.forward(block, cache, taps=True)  # leaves the block's checkpoints for accept()
         choice = tgt.greedy(h)
-        cache.truncate(base)
+        rewind()
         n_ctx = ctx.length
 
         def accept():
@@ -161,10 +351,19 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
             cache.truncate(base + int(np.asarray(n_acc)[0]) + 1)
             dr.add_context(vt[: int(np.asarray(n_acc)[0]) + 1], ctx)
             ctx.length = n_ctx
-            cache.truncate(base)
 
         res["k"][k] = {"t_draft_s": _median(lambda: dr.draft(anchor, k, ctx), repeats),
-                       "t_verify_s": _median(verify, repeats), "t_accept_s": _median(accept, repeats)}
+                       "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind)}
+        if hybrid and rollback and k == rollback[0]:
+            kept = base + rollback[1] + 1  # anchor + accepted drafts
+
+            def cut():
+                cache.length = base + k + 1  # as right after the verification whose checkpoints are kept
+                cache.truncate(kept)
+
+            t_cut = _median(cut, repeats, rewind)
+            res["rollback"] = {"k": k, "accepted": rollback[1], "t_truncate_s": t_cut,
+                               "vs_verify": t_cut / res["k"][k]["t_verify_s"]}
     return res
 
 
@@ -193,13 +392,10 @@ def main(argv=None) -> int:
         t_dir, d_dir = write_pair(Path(tmp), s)
         print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats)
-    per_layer = 2 * (s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.hidden * s.heads * s.head_dim
-                     + 3 * s.hidden * s.intermediate)
-    step_bytes = s.layers * per_layer + 2 * s.vocab * s.hidden  # bf16 weights + the LM head read per step
-    kv_bytes = s.layers * 2 * args.context * s.kv_heads * s.head_dim * 4
-    gbs = stream_read_gbs(min(step_bytes, 2 << 30), args.threads)
-    res.update(shape=s.name, threads=args.threads, step_weight_bytes=step_bytes, kv_bytes=kv_bytes,
-               stream_read_gbs=gbs, roofline_step_s=(step_bytes + kv_bytes) / gbs / 1e9)
+    weight_bytes, kv_bytes = step_bytes(s, args.context)
+    gbs = stream_read_gbs(min(weight_bytes, 2 << 30), args.threads)
+    res.update(shape=s.name, threads=args.threads, step_weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+               stream_read_gbs=gbs, roofline_step_s=(weight_bytes + kv_bytes) / gbs / 1e9)
     res["ar_vs_roofline"] = res["t_ar_s"] / res["roofline_step_s"]
     res["projected_published"] = projected(res, PUBLISHED_TAU)
     if args.tau_json:
@@ -214,6 +410,10 @@ def main(argv=None) -> int:
         pp = res["projected_published"].get(k)
         print(f"| {k} | {r['t_draft_s'] * 1e3:.1f} | {r['t_verify_s'] * 1e3:.1f} | {r['t_accept_s'] * 1e3:.2f} | "
               f"{r['t_verify_s'] / res['t_ar_s']:.2f} | {f'{pp:.2f}x' if pp else '-'} | {f'{pm:.2f}x' if pm else '-'} |")
+    rb = res.get("rollback")
+    if rb:
+        print(f"rollback after k={rb['k']} verification to {rb['accepted']} accepted (HybridCache.truncate): "
+              f"{rb['t_truncate_s'] * 1e3:.2f} ms = {rb['vs_verify'] * 100:.2f}% of T_verify({rb['k']})")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -9,25 +9,9 @@ from libc.math cimport INFINITY
 
 cdef extern from *:
     """
-    /* float32 exp for x <= 88: Cephes range reduction + degree-5 polynomial (~2 ulp); 0 below -87.
-       Branch-free so that gcc vectorises the loops that call it. */
-    static inline float dflash_fast_exp(float x) {
-        float xc = x > -87.0f ? x : -87.0f;
-        float fx = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-        float r = xc - fx * 0.693359375f - fx * -2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        float y = p * r * r + r + 1.0f;
-        union { int i; float f; } scale;
-        scale.i = ((int)fx + 127) << 23;
-        return x >= -87.0f ? y * scale.f : 0.0f;
-    }
+    #include "dk_exp.h"
     """
-    float fast_exp "dflash_fast_exp"(float x) nogil
+    float fast_exp "dk_exp"(float x) nogil
 
 ctypedef fused wtype:
     float

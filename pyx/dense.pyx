@@ -215,29 +215,10 @@ cdef extern from * nogil:
 
     /* ---- exp, SwiGLU, RMSNorm, RoPE rows ------------------------------------------------------- */
 
-    /* exp(x) in fp32 (Cephes expf): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-5 polynomial,
-       2^n put into the exponent bits. ~1-2 ulp; inputs are clamped so 2^n stays a normal number
-       (exp underflows to ~1e-38 instead of 0, overflows to ~2e38 instead of inf). */
-    DK_AI float dk_expf(float x) {
-        x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-        float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-        float r = __builtin_fmaf(n, -0.693359375f, x);   /* ln2 split in two: exact n * ln2_hi */
-        r = __builtin_fmaf(n, 2.12194440e-4f, r);
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        float y = p * r * r + r + 1.0f;
-        int32_t e = ((int32_t)n + 127) << 23;
-        float scale;
-        memcpy(&scale, &e, 4);
-        return y * scale;
-    }
+    #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
 
     static void dk_silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, long n) {
-        for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + dk_expf(-g[i])) * u[i];
+        for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + dk_exp(-g[i])) * u[i];
     }
 
     /* o = x / rms(x) * (offset + w); with res != NULL, x + res is normed and stored into new_res */

@@ -149,24 +149,7 @@ cdef extern from *:
             }
     }
 
-    /* float32 exp: x = n ln2 + r (Cody-Waite in two fma steps), exp(r) by the Cephes degree-6
-       polynomial, 2^n through the exponent bits. Branch-free so loops calling it vectorise. */
-    static inline float la_exp(float x) {
-        float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-        float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-        float r = __builtin_fmaf(n, -0.693359375f, xc);
-        r = __builtin_fmaf(n, 2.12194440e-4f, r);
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + r + 1.0f;
-        union { unsigned int u; float f; } two_n;
-        two_n.u = (unsigned int)((int)n + 127) << 23;
-        return p * two_n.f;
-    }
+    #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
 
     /* dst (cols, rows) = src (rows, cols)^T. Kept scalar: with a handful of columns gcc's vectorised
        form (gathers / scatters) is several times slower. */
@@ -196,7 +179,7 @@ cdef extern from *:
                 for (int c = 0; c < n; c++) yr[c] += wr[c] * src[c];
             }
             if (silu)
-                for (int c = 0; c < n; c++) yr[c] = yr[c] / (1.0f + la_exp(-yr[c]));
+                for (int c = 0; c < n; c++) yr[c] = yr[c] / (1.0f + dk_exp(-yr[c]));
             if (ck)  /* state after token t: xpad[t + 1 .. t + K - 1] */
                 for (int c = 0; c < n; c++)
                     for (int i = 0; i < km1; i++) {
@@ -225,7 +208,7 @@ cdef extern from *:
     void la_gemm(const float* A, Py_ssize_t lda, const float* B, Py_ssize_t ldb, float* C, Py_ssize_t ldc,
                  int M, int N, int K, float alpha) noexcept nogil
     void la_axpy(float* y, const float* x, float a, int n) noexcept nogil
-    float la_exp(float x) noexcept nogil
+    float dk_exp(float x) noexcept nogil
     void la_conv_block(const float* x, Py_ssize_t ldx, const float* w, float* state, float* y, Py_ssize_t ldy,
                        float* ck, Py_ssize_t ldck, Py_ssize_t T, int n, int K, int silu, float* wT,
                        float* sT) noexcept nogil
@@ -452,11 +435,11 @@ def gated_rms_norm(const float[:, ::1] x, const float[:, ::1] z, const float[::1
         f = 1.0 / sqrtf(ss / n + eps)
         for i in range(n):
             zi = z[r, i]
-            out[r, i] = weight[i] * (x[r, i] * f) * (zi / (1.0 + la_exp(-zi)))
+            out[r, i] = weight[i] * (x[r, i] * f) * (zi / (1.0 + dk_exp(-zi)))
 
 
 def apply_output_gate(const float[:, ::1] o, const float[:, ::1] gate, float[:, ::1] out, *, int n_threads):
     cdef Py_ssize_t r, i
     for r in prange(o.shape[0], nogil=True, num_threads=n_threads, schedule="static"):
         for i in range(o.shape[1]):
-            out[r, i] = o[r, i] / (1.0 + la_exp(-gate[r, i]))
+            out[r, i] = o[r, i] / (1.0 + dk_exp(-gate[r, i]))

@@ -5,8 +5,9 @@ attention masks use -inf and the sampling kernels check for NaN.
 """
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 JIT = dict(nogil=True, cache=True, fastmath=FASTMATH)
@@ -30,3 +31,37 @@ def _load_f32(src, dst):
         for i in range(src.shape[0]):
             dst[i] = src[i]
     return impl
+
+
+@intrinsic
+def bits_as_f32(typingctx, u):
+    """Reinterpret the bits of a 32-bit integer as float32 (vectorises, unlike a view of an array)."""
+    if not isinstance(u, types.Integer) or u.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(u), codegen
+
+
+_F32 = np.float32
+
+
+@njit(inline="always", **JIT)
+def fast_exp(x):
+    """float32 exp, the same polynomial as the Cython kernels' dk_exp (pyx/dk_exp.h): Cephes range
+    reduction + degree-6 polynomial (~2 ulp); exactly 0 below -87 (and for -inf), clamped above 88.
+    Numba's np.exp is a scalar libm call; this one vectorises."""
+    xc = min(max(x, _F32(-87.0)), _F32(88.0))
+    fx = np.floor(xc * _F32(1.44269504088896341) + _F32(0.5))
+    r = xc - fx * _F32(0.693359375) - fx * _F32(-2.12194440e-4)
+    p = _F32(1.9875691500e-4)
+    p = p * r + _F32(1.3981999507e-3)
+    p = p * r + _F32(8.3334519073e-3)
+    p = p * r + _F32(4.1665795894e-2)
+    p = p * r + _F32(1.6666665459e-1)
+    p = p * r + _F32(5.0000001201e-1)
+    y = p * r * r + r + _F32(1.0)
+    scale = bits_as_f32(np.int32((np.int32(fx) + np.int32(127)) << np.int32(23)))
+    return y * scale if x >= _F32(-87.0) else _F32(0.0)

@@ -8,45 +8,15 @@ negative draft probability.
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from .._threads import numba_threads
-from ._common import JIT, load_f32
+from ._common import JIT, fast_exp, load_f32
 
 BS = 512  # entries per float64 block sum
 STRIP = 64  # lanes of the vectorised max
 OK, BAD_LOGIT, NO_FINITE, BAD_Q = 0, 1, 2, 3
 _F32 = np.float32
-
-
-@intrinsic
-def _bits_to_f32(typingctx, bits):
-    """Reinterpret an int32 bit pattern as float32 (vectorises, unlike a view of a scratch array)."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@njit(inline="always", **JIT)
-def fast_exp(x):
-    """float32 exp for x <= 88 (Cephes range reduction + degree-5 polynomial, ~2 ulp); 0 below -87."""
-    xc = x if x > _F32(-87.0) else _F32(-87.0)
-    fx = np.floor(xc * _F32(1.44269504088896341) + _F32(0.5))
-    r = xc - fx * _F32(0.693359375) - fx * _F32(-2.12194440e-4)
-    p = _F32(1.9875691500e-4)
-    p = p * r + _F32(1.3981999507e-3)
-    p = p * r + _F32(8.3334519073e-3)
-    p = p * r + _F32(4.1665795894e-2)
-    p = p * r + _F32(1.6666665459e-1)
-    p = p * r + _F32(5.0000001201e-1)
-    y = p * r * r + r + _F32(1.0)
-    scale = _bits_to_f32((np.int32(fx) + np.int32(127)) << np.int32(23))
-    return y * scale if x >= _F32(-87.0) else _F32(0.0)
 
 
 @njit(**JIT)

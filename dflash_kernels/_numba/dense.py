@@ -2,35 +2,23 @@
 
 Each kernel exists twice: serial (small problems: no thread-pool wake-up) and parallel over rows.
 Every output element is computed by one thread in a fixed order, so results do not depend on
-n_threads. Elementwise loops are written so LLVM vectorises them: `exp32` is a polynomial (Numba's
+n_threads. Elementwise loops are written so LLVM vectorises them: `fast_exp` is a polynomial (Numba's
 np.exp is a scalar libm call), bf16 is upcast with an integer shift and a bit cast.
 """
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from .._threads import numba_threads
 from ._common import JIT as _JIT
+from ._common import bits_as_f32, fast_exp
 
 # error_model="numpy": no zero-division checks in float divisions, which would block vectorisation.
 JIT = dict(_JIT, error_model="numpy")
 F32 = np.float32
 PARALLEL_MACS = 1 << 18  # linear: multiply-adds below which one thread is faster
 PARALLEL_ELEMS = 1 << 15  # elementwise ops: elements below which one thread is faster
-
-
-@intrinsic
-def _bits_as_f32(typingctx, u):
-    """Reinterpret the bits of a 32-bit integer as float32 (vectorisable, unlike a view)."""
-    if not isinstance(u, types.Integer) or u.bitwidth != 32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(u), codegen
 
 
 def as_f32(v):  # pragma: no cover - replaced by the overload below inside jitted code
@@ -41,25 +29,8 @@ def as_f32(v):  # pragma: no cover - replaced by the overload below inside jitte
 @overload(as_f32, inline="always")
 def _as_f32(v):
     if v == types.uint16:
-        return lambda v: _bits_as_f32(np.uint32(np.uint32(v) << np.uint32(16)))
+        return lambda v: bits_as_f32(np.uint32(np.uint32(v) << np.uint32(16)))
     return lambda v: v
-
-
-@njit(**JIT)
-def exp32(x):
-    """exp(x) for float32 (Cephes expf): x = n ln2 + r, exp(r) by a degree-5 polynomial, 2^n into the
-    exponent bits. ~2 ulp; clamped so 2^n stays normal (exp(-100) ~ 1e-38, not 0)."""
-    x = min(max(x, F32(-87.3)), F32(88.3))
-    n = np.floor(x * F32(1.4426950408889634) + F32(0.5))
-    r = x - n * F32(0.693359375) - n * F32(-2.12194440e-4)
-    p = F32(1.9875691500e-4)
-    p = p * r + F32(1.3981999507e-3)
-    p = p * r + F32(8.3334519073e-3)
-    p = p * r + F32(4.1665795894e-2)
-    p = p * r + F32(1.6666665459e-1)
-    p = p * r + F32(5.0000001201e-1)
-    y = p * r * r + r + F32(1.0)
-    return y * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
 # ---- SwiGLU ---------------------------------------------------------------------------------------
@@ -69,7 +40,7 @@ def _silu_and_mul_impl(x, out):
     for m in prange(out.shape[0]):  # one row per task
         g, u, o = x[m, :n], x[m, n:], out[m]
         for i in range(n):
-            o[i] = g[i] / (F32(1.0) + exp32(-g[i])) * u[i]
+            o[i] = g[i] / (F32(1.0) + fast_exp(-g[i])) * u[i]
 
 
 _silu_and_mul = (njit(**JIT)(_silu_and_mul_impl), njit(parallel=True, **JIT)(_silu_and_mul_impl))
