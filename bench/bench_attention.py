@@ -19,11 +19,9 @@ from benchsupport import THREADS, record
 from shapes import BLOCK, CONTEXTS, DFLASH_QWEN3_8B as M
 
 
-@pytest.fixture(scope="module")
-def enabled(request):
-    """True when timing (--benchmark-enable), False in the one-shot smoke run."""
-    opt = request.config.getoption
-    return bool(opt("benchmark_enable", default=False)) or not opt("benchmark_disable", default=False)
+# Contexts beyond the smallest run only when timing (--benchmark-enable): the smoke run in the test
+# suite deselects them (bench/conftest.py) to stay fast.
+SMOKE_CONTEXTS = [c if c == CONTEXTS[0] else pytest.param(c, marks=pytest.mark.timed_only) for c in CONTEXTS]
 
 
 def _kv(t_kv, dtype):
@@ -44,16 +42,10 @@ def _flops(t_q, t_kv):
     return 4.0 * t_q * t_kv * M.heads * M.head_dim
 
 
-def _maybe_skip(enabled, t_kv):
-    if not enabled and t_kv != CONTEXTS[0]:
-        pytest.skip("smoke run: smallest context only")
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("t_ctx", CONTEXTS)
-def test_injected_kv_attention(benchmark, contender, enabled, t_ctx, dtype):
+@pytest.mark.parametrize("t_ctx", SMOKE_CONTEXTS)
+def test_injected_kv_attention(benchmark, contender, t_ctx, dtype):
     """Drafter layer: 16 block queries over [context | block], no mask."""
-    _maybe_skip(enabled, t_ctx)
     tdt = getattr(torch, dtype)
     q = torch.randn(BLOCK, M.heads, M.head_dim)
     kc, vc = _kv(t_ctx, tdt)
@@ -70,10 +62,10 @@ def test_injected_kv_attention(benchmark, contender, enabled, t_ctx, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("t_q,t_kv", [(BLOCK, c) for c in CONTEXTS] + [(1, 4096)])
-def test_cached_attention(benchmark, contender, enabled, t_q, t_kv, dtype):
+@pytest.mark.parametrize("t_q,t_kv", [(BLOCK, c) if c == CONTEXTS[0] else pytest.param(BLOCK, c, marks=pytest.mark.timed_only)
+                                      for c in CONTEXTS] + [(1, 4096)])
+def test_cached_attention(benchmark, contender, t_q, t_kv, dtype):
     """Verification (16 queries, causal bottom-right over the cache) and decode (1 query)."""
-    _maybe_skip(enabled, t_kv if t_q > 1 else CONTEXTS[0])
     tdt = getattr(torch, dtype)
     q = torch.randn(t_q, M.heads, M.head_dim)
     k, v = _kv(t_kv, tdt)
