@@ -7,10 +7,10 @@ import pytest
 from dflash_kernels.model import default_model_dirs, load_default
 from dflash_kernels.model.corpus import eval_prompts
 
-# Measured tau of the shipped pair on these three held-out prompts is recorded in
-# dflash_kernels/model/default/README.md; the floor sits well below it so that a real regression
-# (taps, RoPE, mask token, layout) fails, while kernel-level float noise does not.
-TAU_FLOOR = 2.0
+# The shipped pair's greedy tau on these three held-out prompts (64 tokens) measured 3.94, 3.71 and
+# 5.73 (mean 4.46) when it was trained; a broken tap, RoPE, mask row or layout drops it to ~1, while
+# float noise between backends moves a token or two. The floor sits between the two.
+TAU_FLOOR = 3.0
 
 
 @pytest.fixture(scope="module")
