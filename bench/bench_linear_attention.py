@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dflash_kernels.linear_attention as la
-from benchsupport import THREADS, record
+from benchsupport import KERNELS, THREADS, record
 from dflash_kernels.reference import linear_attention as ref
 from shapes import BLOCK
 
@@ -48,14 +48,13 @@ def test_gated_delta_rule(benchmark, contender, T):
     record(benchmark, flops=gdn_flops(T), bytes_moved=2 * state.numel() * 4, shape=f"{NAME} T={T}")
 
 
-@pytest.mark.parametrize("buffer", ["fresh", "reused"])
+@pytest.mark.parametrize("contender,buffer", [("torch-peer", "fresh")]
+                         + [(c, b) for c in KERNELS for b in ("fresh", "reused")])
 def test_gated_delta_rule_checkpoints(benchmark, contender, buffer):
     """Verification with the state after every token kept (16 x 2 MiB per layer)."""
     q, k, v, g, beta, state = gdn_inputs(BLOCK)
     out = torch.empty(BLOCK, HV, DK, DV) if buffer == "reused" else None
     if contender == "torch-peer":
-        if buffer == "reused":
-            pytest.skip("the torch peer allocates its checkpoints")
         slots = torch.arange(BLOCK)
         fn = lambda: ref.gated_delta_rule(q, k, v, g, beta, state, slots)  # noqa: E731
     else:
@@ -75,13 +74,12 @@ def test_restore_prefix(benchmark):
     record(benchmark, bytes_moved=2 * state.numel() * 4, shape=f"{NAME} restore")
 
 
-@pytest.mark.parametrize("form", ["auto", "chunk64"])
+@pytest.mark.parametrize("contender,form", [("torch-peer", "auto")]  # the torch peer is the chunked reference
+                         + [(c, f) for c in KERNELS for f in ("auto", "chunk64")])
 def test_gated_delta_rule_prefill(benchmark, contender, form):
     T = 512
     q, k, v, g, beta, state = gdn_inputs(T)
     if contender == "torch-peer":
-        if form != "auto":
-            pytest.skip("the torch peer is the chunked reference in both forms")
         fn = lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, state)  # noqa: E731
     else:
         chunk = None if form == "auto" else 64
