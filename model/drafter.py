@@ -15,32 +15,20 @@ import numpy as np
 
 from ._ops import Ops
 from .config import DFlashConfig
+from .qwen3 import qwen3_layer_shapes
 from .weights import as_f32, check_tensors, concat_rows, storage
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tuple]:
     """Every tensor a DFlashDraftModel checkpoint must hold (dflash.md 6), names without prefix."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H = cfg.hidden_size
     shapes = {
         "fc.weight": (H, len(cfg.target_layer_ids) * target_hidden),
         "hidden_norm.weight": (H,),
         "norm.weight": (H,),
     }
     for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (cfg.q_dim, H),
-            p + "self_attn.k_proj.weight": (cfg.kv_dim, H),
-            p + "self_attn.v_proj.weight": (cfg.kv_dim, H),
-            p + "self_attn.o_proj.weight": (H, cfg.q_dim),
-            p + "self_attn.q_norm.weight": (D,),
-            p + "self_attn.k_norm.weight": (D,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
-        })
+        shapes.update(qwen3_layer_shapes(f"layers.{i}.", cfg))
     return shapes
 
 

@@ -16,29 +16,35 @@ import numpy as np
 from dflash_kernels._tensors import f32_to_bf16
 
 from ._ops import Ops
+from ._target import TargetBase
 from .config import Qwen3Config
 from .weights import as_f32, check_tensors, concat_rows, storage
 
 
+def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
+    """The 11 tensors of one Qwen3-style decoder layer (targets and DFlash drafters alike)."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {
+        prefix + "input_layernorm.weight": (H,),
+        prefix + "post_attention_layernorm.weight": (H,),
+        prefix + "self_attn.q_proj.weight": (cfg.q_dim, H),
+        prefix + "self_attn.k_proj.weight": (cfg.kv_dim, H),
+        prefix + "self_attn.v_proj.weight": (cfg.kv_dim, H),
+        prefix + "self_attn.o_proj.weight": (H, cfg.q_dim),
+        prefix + "self_attn.q_norm.weight": (D,),
+        prefix + "self_attn.k_norm.weight": (D,),
+        prefix + "mlp.gate_proj.weight": (I, H),
+        prefix + "mlp.up_proj.weight": (I, H),
+        prefix + "mlp.down_proj.weight": (H, I),
+    }
+
+
 def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
     """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape (qwen.md 1.3)."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (cfg.q_dim, H),
-            p + "self_attn.k_proj.weight": (cfg.kv_dim, H),
-            p + "self_attn.v_proj.weight": (cfg.kv_dim, H),
-            p + "self_attn.o_proj.weight": (H, cfg.q_dim),
-            p + "self_attn.q_norm.weight": (D,),
-            p + "self_attn.k_norm.weight": (D,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
-        })
+        shapes.update(qwen3_layer_shapes(f"model.layers.{i}.", cfg))
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
     return shapes
@@ -87,7 +93,7 @@ class KVCache:
         self.length = 0
 
 
-class Qwen3Model:
+class Qwen3Model(TargetBase):
     """Qwen3ForCausalLM forward on the dk kernels."""
 
     def __init__(self, cfg: Qwen3Config, tensors: dict, origin: dict | None = None, *, ops: Ops | None = None,
@@ -123,28 +129,9 @@ class Qwen3Model:
             ))
         self.set_taps(tap_layer_ids)
 
-    def set_taps(self, tap_layer_ids) -> None:
-        """Layers whose output residual stream is returned as DFlash context features, in order."""
-        L = self.cfg.num_hidden_layers
-        ids = tuple(int(i) for i in tap_layer_ids)
-        bad = [i for i in ids if not 0 <= i < L]
-        if bad:
-            raise ValueError(f"target_layer_ids {list(ids)}: {bad} outside the target's {L} layers (0..{L - 1})")
-        self.tap_ids = ids
-        self._tap_slot = {}  # layer -> list of column slots
-        for slot, layer in enumerate(ids):
-            self._tap_slot.setdefault(layer, []).append(slot)
-
-    @property
-    def tap_width(self) -> int:
-        return len(self.tap_ids) * self.cfg.hidden_size
-
     def new_cache(self, max_len: int, dtype: str = "float32") -> KVCache:
         c = self.cfg
         return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, dtype)
-
-    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
-        return as_f32(self.embed[ids])  # (T, H) float32 copy of the needed rows only
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -219,29 +206,3 @@ class Qwen3Model:
         if delta is None:
             return ops.rms_norm(x, self.norm, eps)
         return ops.add_rms_norm(delta, x, self.norm, eps)[0]
-
-    # -- heads ---------------------------------------------------------------------------------
-
-    def prefill(self, ids, cache: KVCache):
-        """Prompt -> (float32 logits (1, V) of the last position, taps (T, n_taps * H) or None)."""
-        hidden, taps = self.forward(ids, cache, last_only=True)
-        return self.logits(hidden), taps
-
-    def decode(self, token: int, cache: KVCache) -> np.ndarray:
-        """One token at position cache.length -> float32 logits (1, V)."""
-        hidden, _ = self.forward([token], cache, taps=False)
-        return self.logits(hidden)
-
-    def verify(self, tokens, cache: KVCache):
-        """[anchor, drafts...] (k+1 tokens) -> (float32 logits (k+1, V), taps (k+1, n_taps * H));
-        cut rejected rows afterwards with ``cache.truncate(start + accepted + 1)``."""
-        hidden, taps = self.forward(tokens, cache)
-        return self.logits(hidden), taps
-
-    def logits(self, hidden) -> np.ndarray:
-        """(T, H) final-normed hidden -> (T, V) float32 logits."""
-        return self.ops.linear(hidden, self.lm_head)
-
-    def greedy(self, hidden) -> np.ndarray:
-        """(T, H) final-normed hidden -> (T,) argmax token ids (first on ties), no logits materialised."""
-        return self.ops.argmax_tokens(hidden, self.lm_head)

@@ -22,6 +22,7 @@ import numpy as np
 from dflash_kernels.linear_attention import conv_state_at
 
 from ._ops import Ops
+from ._target import TargetBase
 from .qwen35_config import Qwen35Config
 from .qwen3 import KVCache
 from .weights import as_f32, check_tensors, concat_rows, storage
@@ -162,7 +163,7 @@ class HybridCache:
         self.length = length
 
 
-class Qwen35Model:
+class Qwen35Model(TargetBase):
     """Qwen3_5ForCausalLM (text model of Qwen3_5ForConditionalGeneration) forward on the dk kernels."""
 
     def __init__(self, cfg: Qwen35Config, tensors: dict, origin: dict | None = None, *, ops: Ops | None = None,
@@ -219,27 +220,8 @@ class Qwen35Model:
             ))
         self.set_taps(tap_layer_ids)
 
-    def set_taps(self, tap_layer_ids) -> None:
-        """Layers whose output residual stream is returned as DFlash context features, in order."""
-        L = self.cfg.num_hidden_layers
-        ids = tuple(int(i) for i in tap_layer_ids)
-        bad = [i for i in ids if not 0 <= i < L]
-        if bad:
-            raise ValueError(f"target_layer_ids {list(ids)}: {bad} outside the target's {L} layers (0..{L - 1})")
-        self.tap_ids = ids
-        self._tap_slot = {}
-        for slot, layer in enumerate(ids):
-            self._tap_slot.setdefault(layer, []).append(slot)
-
-    @property
-    def tap_width(self) -> int:
-        return len(self.tap_ids) * self.cfg.hidden_size
-
     def new_cache(self, max_len: int, dtype: str = "float32", record_limit: int = 64) -> HybridCache:
         return HybridCache(self.cfg, max_len, dtype, record_limit)
-
-    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
-        return as_f32(self.embed[ids])  # (T, H) float32
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -361,28 +343,8 @@ class Qwen35Model:
             return ops.rms_norm(x, self.norm, eps, offset=1.0)
         return ops.add_rms_norm(delta, x, self.norm, eps, offset=1.0)[0]
 
-    # -- heads ---------------------------------------------------------------------------------
-
-    def prefill(self, ids, cache: HybridCache):
-        """Prompt -> (float32 logits (1, V) of the last position, taps (T, n_taps * H) or None)."""
-        hidden, taps = self.forward(ids, cache, last_only=True)
-        return self.logits(hidden), taps
-
-    def decode(self, token: int, cache: HybridCache) -> np.ndarray:
-        """One token at position cache.length -> float32 logits (1, V)."""
-        hidden, _ = self.forward([token], cache, taps=False)
-        return self.logits(hidden)
-
     def verify(self, tokens, cache: HybridCache):
         """[anchor, drafts...] (k+1 tokens) -> (float32 logits (k+1, V), taps); keeps per-row linear
         states, so ``cache.truncate(start + accepted + 1)`` afterwards restores the accepted prefix."""
         hidden, taps = self.forward(tokens, cache, checkpoints=len(tokens) > 1)
         return self.logits(hidden), taps
-
-    def logits(self, hidden) -> np.ndarray:
-        """(T, H) final-normed hidden -> (T, V) float32 logits."""
-        return self.ops.linear(hidden, self.lm_head)
-
-    def greedy(self, hidden) -> np.ndarray:
-        """(T, H) final-normed hidden -> (T,) argmax token ids (first on ties)."""
-        return self.ops.argmax_tokens(hidden, self.lm_head)
