@@ -92,13 +92,27 @@ cdef extern from * nogil:
             }
     }
 
+    #define DK_PF_STEP 64     /* K elements per prefetch step */
+    #ifndef DK_PF_BYTES
+    #define DK_PF_BYTES 1024  /* prefetch distance along a weight row */
+    #endif
+
     /* A full-K register tile, weights read in place (the M <= DK_MR path: GEMV-like, memory bound) */
     DK_AI void dk_tile_full(const int mr, const int nr, const int bf16, long K, const float *x,
                             const void *w, const float *bias, float *out, long ldo) {
         dk_vf acc[DK_MR][DK_NR];
         for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) acc[i][j] = (dk_vf){0};
         long kv = K - K % DK_VW;
-        dk_core(mr, nr, bf16, 0, kv, x, K, w, K, acc);
+        /* Weights stream from DRAM in a model step: ask for each row's lines DK_PF_BYTES ahead so
+           the short (K * 2 or 4 byte) rows do not wait on the hardware prefetcher's ramp-up. */
+        const long esz = bf16 ? 2 : 4;
+        for (long k0 = 0; k0 < kv; k0 += DK_PF_STEP) {
+            long k1 = k0 + DK_PF_STEP < kv ? k0 + DK_PF_STEP : kv;
+            for (int j = 0; j < nr; j++)
+                for (long b = 0; b < DK_PF_STEP * esz; b += 64)
+                    __builtin_prefetch((const char *) w + (j * K + k0) * esz + DK_PF_BYTES + b, 0, 3);
+            dk_core(mr, nr, bf16, k0, k1, x, K, w, K, acc);
+        }
         dk_finish(mr, nr, bf16, kv, K, x, K, w, K, acc, bias, out, ldo);
     }
 
