@@ -73,7 +73,13 @@ class Ops:
     def argmax_tokens(self, hidden, lm_head):
         """Greedy token per row of final-normed hidden: argmax of hidden @ lm_head^T, first on ties."""
         t = perf_counter()
-        out = dk.denoise_block(hidden, lm_head, temperature=0.0, **self.kw)
+        if hidden.shape[0] <= 4:
+            # Decode: linear's read-once GEMV path streams the LM head ~1.7x faster than
+            # denoise_block's vocab-chunked tiles (measured on 151936 x 1024 bf16: 16.9 vs 28.9 ms),
+            # and (1..4, V) logits are small; np.argmax keeps the first index on ties.
+            out = np.argmax(np.asarray(dk.linear(hidden, lm_head, **self.kw)), axis=1)
+        else:
+            out = dk.denoise_block(hidden, lm_head, temperature=0.0, **self.kw)
         self.kernel_s += perf_counter() - t
         return np.asarray(out, dtype=np.int64)
 
