@@ -27,6 +27,29 @@ class TargetBase:
     def tap_width(self) -> int:
         return len(self.tap_ids) * self.cfg.hidden_size
 
+    def _run_chunks(self, ids, chunk: int, last_only: bool, taps: bool, on_taps, forward_rows):
+        """Run ``forward_rows(rows, tap_buf, want_hidden)`` over ``ids`` in chunks of ``chunk`` rows,
+        collecting hidden rows (only the last one when last_only) and the taps (streamed to
+        ``on_taps`` chunk by chunk when given, else returned whole)."""
+        T = ids.shape[0]
+        want_taps = taps and bool(self.tap_ids)
+        tap_out = np.empty((T, self.tap_width), np.float32) if want_taps and on_taps is None else None
+        hidden = []
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            if not want_taps:
+                buf = None
+            elif tap_out is not None:
+                buf = tap_out[s:e]
+            else:
+                buf = np.empty((e - s, self.tap_width), np.float32)
+            h = forward_rows(ids[s:e], buf, e == T or not last_only)
+            if on_taps is not None and buf is not None:
+                on_taps(buf)
+            if h is not None:
+                hidden.append(h[-1:] if last_only else h)
+        return (hidden[0] if len(hidden) == 1 else np.concatenate(hidden)), tap_out
+
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         return as_f32(self.embed[ids])  # (T, H) float32 copy of the needed rows only
 

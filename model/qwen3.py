@@ -150,25 +150,8 @@ class Qwen3Model(TargetBase):
             raise ValueError("forward needs at least one token")
         if cache.length + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
-        want_taps = taps and bool(self.tap_ids)
-        chunk = max(1, self.prefill_chunk)
-        tap_out = np.empty((T, self.tap_width), np.float32) if want_taps and on_taps is None else None
-        hidden = []
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            final_rows = e == T or not last_only
-            if not want_taps:
-                buf = None
-            elif tap_out is not None:
-                buf = tap_out[s:e]
-            else:
-                buf = np.empty((e - s, self.tap_width), np.float32)
-            h = self._forward_rows(ids[s:e], cache, buf, final_rows)
-            if on_taps is not None and buf is not None:
-                on_taps(buf)
-            if h is not None:
-                hidden.append(h[-1:] if last_only else h)
-        return (hidden[0] if len(hidden) == 1 else np.concatenate(hidden)), tap_out
+        return self._run_chunks(ids, max(1, self.prefill_chunk), last_only, taps, on_taps,
+                                lambda rows, buf, want: self._forward_rows(rows, cache, buf, want))
 
     def _forward_rows(self, ids, cache: KVCache, tap_out, want_hidden: bool):
         ops, c, eps = self.ops, self.cfg, self.eps

@@ -242,26 +242,11 @@ class Qwen35Model(TargetBase):
             raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
         if checkpoints is None:
             checkpoints = not last_only and 1 < T <= cache.record_limit
-        want_taps = taps and bool(self.tap_ids)
         chunk = T if checkpoints else max(1, self.prefill_chunk)  # a recorded block runs in one piece
         cache._rec = None  # older checkpoints describe states this forward overwrites
-        tap_out = np.empty((T, self.tap_width), np.float32) if want_taps and on_taps is None else None
-        hidden = []
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            final_rows = e == T or not last_only
-            if not want_taps:
-                buf = None
-            elif tap_out is not None:
-                buf = tap_out[s:e]
-            else:
-                buf = np.empty((e - s, self.tap_width), np.float32)
-            h = self._forward_rows(ids[s:e], cache, buf, final_rows, bool(checkpoints))
-            if on_taps is not None and buf is not None:
-                on_taps(buf)
-            if h is not None:
-                hidden.append(h[-1:] if last_only else h)
-        return (hidden[0] if len(hidden) == 1 else np.concatenate(hidden)), tap_out
+        record = bool(checkpoints)
+        return self._run_chunks(ids, chunk, last_only, taps, on_taps,
+                                lambda rows, buf, want: self._forward_rows(rows, cache, buf, want, record))
 
     def _full_attention(self, L: _FullLayer, slot: int, h, cache: HybridCache, pos):
         ops, c, eps = self.ops, self.cfg, self.eps
