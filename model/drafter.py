@@ -15,7 +15,7 @@ import numpy as np
 
 from ._ops import Ops
 from .config import DFlashConfig
-from .qwen3 import qwen3_layer_shapes
+from .qwen3 import project_qkv, qwen3_layer_shapes
 from .weights import as_f32, check_tensors, concat_rows, storage
 
 
@@ -132,7 +132,7 @@ class DFlashDrafter:
         B = n_draft + 1
         start = cache.length
         pos = np.arange(start, start + B, dtype=np.int64)
-        Hq, Hkv, D, qd, kvd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.q_dim, c.kv_dim
+        qd = c.q_dim
         x = np.empty((B, c.hidden_size), np.float32)  # (B, H) block residual stream
         x[0] = as_f32(self.embed[anchor])
         x[1:] = self.mask_embedding
@@ -142,12 +142,7 @@ class DFlashDrafter:
                 h = ops.rms_norm(x, L.w_in, eps)
             else:  # the previous layer's MLP residual add, fused into this norm
                 h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
-            qkv = ops.linear(h, L.w_qkv)  # (B, qd + 2 kvd)
-            q = ops.rms_norm(qkv[:, :qd].reshape(B * Hq, D), L.q_norm, eps).reshape(B, Hq, D)
-            k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(B * Hkv, D), L.k_norm, eps).reshape(B, Hkv, D)
-            v = qkv[:, qd + kvd :].reshape(B, Hkv, D)
-            q = ops.rope(q, pos, c.rope_theta)
-            k = ops.rope(k, pos, c.rope_theta)
+            q, k, v = project_qkv(ops, L, h, pos, c, eps)
             o = ops.injected_attention(q, cache.k[li, :start], cache.v[li, :start], k, v, L.causal, L.window)
             h, x = ops.add_rms_norm(ops.linear(o.reshape(B, qd), L.w_o), x, L.w_post, eps)
             delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)

@@ -50,6 +50,18 @@ def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
     return shapes
 
 
+def project_qkv(ops, layer, h, pos, cfg, eps):
+    """Qwen3 attention inputs for rows h (T, H): q (T, H_q, D), k (T, H_kv, D) after the per-head
+    q_norm / k_norm and RoPE at ``pos``, raw v (T, H_kv, D). Shared by targets and drafters."""
+    T, Hq, Hkv, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qd, kvd = cfg.q_dim, cfg.kv_dim
+    qkv = ops.linear(h, layer.w_qkv)  # (T, qd + 2 kvd)
+    q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), layer.q_norm, eps).reshape(T, Hq, D)
+    k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), layer.k_norm, eps).reshape(T, Hkv, D)
+    v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
+    return ops.rope(q, pos, cfg.rope_theta), ops.rope(k, pos, cfg.rope_theta), v
+
+
 @dataclass
 class _Layer:
     w_in: np.ndarray  # (H,) f32
@@ -158,7 +170,7 @@ class Qwen3Model(TargetBase):
         T = ids.shape[0]
         start = cache.length
         pos = np.arange(start, start + T, dtype=np.int64)
-        Hq, Hkv, D, qd, kvd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.q_dim, c.kv_dim
+        qd = c.q_dim
         x = self.embed_rows(ids)  # (T, H) residual stream
         n_layers = len(self.layers)
         delta = None  # (T, H) MLP output not yet added to x
@@ -167,12 +179,7 @@ class Qwen3Model(TargetBase):
                 h = ops.rms_norm(x, L.w_in, eps)
             else:  # the previous layer's MLP residual add, fused into this norm
                 h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
-            qkv = ops.linear(h, L.w_qkv)  # (T, qd + 2 kvd)
-            q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), L.q_norm, eps).reshape(T, Hq, D)
-            k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), L.k_norm, eps).reshape(T, Hkv, D)
-            v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
-            q = ops.rope(q, pos, c.rope_theta)
-            k = ops.rope(k, pos, c.rope_theta)
+            q, k, v = project_qkv(ops, L, h, pos, c, eps)
             cache.write(li, start, k, v)
             end = start + T
             o = ops.cached_attention(q, cache.k[li, :end], cache.v[li, :end], window=L.window)  # (T, Hq, D)
