@@ -27,6 +27,14 @@ def isa_summary() -> str:
     return " ".join(have) if have else "unknown (no /proc/cpuinfo flags)"
 
 
+def _block_linear_path() -> str:
+    try:
+        from ._cython.dense import amx_available
+    except ImportError:
+        return "FMA (no Cython kernels)"
+    return "AMX-BF16 tiles (fp32-exact 3-part activations)" if amx_available() else "FMA"
+
+
 def config_lines() -> list[str]:
     import numba
     import numpy
@@ -40,6 +48,7 @@ def config_lines() -> list[str]:
         lines.append(f"backend {b:7s} {'available' if err is None else f'unavailable: {err}'}")
     lines += [
         f"cpu ISA: {isa_summary()}",
+        f"linear, bf16 weights, M > 4 rows: {_block_linear_path()}",
         f"threads: default {default_threads()}, numba pool {numba.config.NUMBA_NUM_THREADS}, "
         f"torch {torch.get_num_threads()}",
         f"numpy {numpy.__version__}, numba {numba.__version__}, torch {torch.__version__}",

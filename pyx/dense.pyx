@@ -8,9 +8,11 @@ own the per-thread scratch. Every output element is computed by one thread in a 
 results do not depend on n_threads.
 """
 
+import os
+
 from cython.parallel cimport parallel, prange
 from libc.math cimport cos, pow, sin, sqrtf
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cdef extern from * nogil:
@@ -267,6 +269,16 @@ cdef extern from * nogil:
                           const float *x, long ldx, const void *w, const float *bias, float *out,
                           float *wbuf, float *accbuf)
     void dk_silu_mul_row(const float *g, const float *u, float *o, long n)
+
+cdef extern from "dk_amx.h" nogil:
+    int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_KC, DK_AMX_MB
+    int dk_amx_ready()
+    void dk_amx_begin()
+    void dk_amx_end()
+    long dk_amx_xsize(long M, long K)
+    int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, unsigned short *xb)
+    void dk_amx_group(long M, long K, long N, long n0, const unsigned short *xb, const unsigned short *w,
+                      const float *bias, float *out, unsigned short *panel, float *cacc)
     void dk_rms_norm_row(const float *x, const float *res, const float *w, float offset, float eps,
                          long h, float *o, float *new_res)
     void dk_rope_row(const float *x, const float *c, const float *s, long half, long d, float *o)
@@ -279,6 +291,54 @@ ctypedef fused wtype:
 # Below this much work (multiply-adds / elements) one thread beats waking the OpenMP pool.
 cdef Py_ssize_t PARALLEL_MACS = 1 << 18
 cdef Py_ssize_t PARALLEL_ELEMS = 1 << 15
+
+
+# DFLASH_AMX=0 turns the AMX path off (benchmarks compare it with the FMA path in one process).
+cdef int _amx_enabled = os.environ.get("DFLASH_AMX", "1") != "0"
+
+
+def amx_available():
+    """True when linear runs bf16-weight blocks (M > 4 rows) on AMX tiles here."""
+    return bool(_amx_enabled and DK_AMX_BUILT and dk_amx_ready())
+
+
+def set_amx_enabled(enabled):
+    """Turn the AMX path on or off for this process (benchmarks); returns the previous setting."""
+    global _amx_enabled
+    old = bool(_amx_enabled)
+    _amx_enabled = bool(enabled)
+    return old
+
+
+cdef int _linear_amx(const float *xp, const unsigned short *wp, const float *bp, float *op, Py_ssize_t M,
+                     Py_ssize_t K, Py_ssize_t N, int nt):
+    """AMX part of linear (see dk_amx.h): output columns [0, N - N % 64); returns how many were done."""
+    cdef Py_ssize_t g, m, finite = 0
+    cdef unsigned short *xb
+    if not (_amx_enabled and DK_AMX_BUILT and K % DK_AMX_KB == 0 and N >= DK_AMX_GROUP and dk_amx_ready()):
+        return 0
+    cdef Py_ssize_t nmb = (M + DK_AMX_MB - 1) // DK_AMX_MB
+    xb = <unsigned short *> malloc(dk_amx_xsize(M, K) * sizeof(unsigned short))
+    if xb == NULL:
+        return 0
+    for m in prange(nmb, nogil=True, num_threads=min(nt, nmb)):
+        finite += dk_amx_pack_block(m, M, K, xp, K, xb)
+    if finite != nmb:  # inf / NaN in x
+        free(xb)
+        return 0
+    cdef unsigned short *panel
+    cdef float *cacc
+    with nogil, parallel(num_threads=nt):
+        panel = <unsigned short *> malloc(DK_AMX_GROUP * DK_AMX_KC * sizeof(unsigned short))
+        cacc = <float *> malloc(nmb * 4 * 256 * sizeof(float))
+        dk_amx_begin()
+        for g in prange(N // DK_AMX_GROUP, schedule="dynamic", chunksize=1):
+            dk_amx_group(M, K, N, g * DK_AMX_GROUP, xb, wp, bp, op, panel, cacc)
+        dk_amx_end()
+        free(panel)
+        free(cacc)
+    free(xb)
+    return N // DK_AMX_GROUP * DK_AMX_GROUP
 
 
 cdef inline int _threads(Py_ssize_t work, Py_ssize_t threshold, int n_threads) noexcept nogil:
@@ -298,6 +358,7 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
     cdef float *wbuf
     cdef float *accbuf
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    cdef Py_ssize_t g0 = 0  # first column group left to the FMA paths
     if M <= DK_MR:
         # Memory bound: weight rows split over threads, each read once with x in registers/L1.
         # Dynamic chunks keep both threads busy on a shared, noisy machine; every output is still
@@ -306,6 +367,10 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
             n0 = g * DK_NR
             dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, wp, bp, op)
         return
+    if wtype is not float:
+        g0 = _linear_amx(xp, <const unsigned short *> wp, bp, op, M, K, N, nt) // DK_NR
+        if g0 == ngroups:
+            return
     # Compute bound: blocks of DK_MB rows; inside a block, weight row groups split over threads.
     # x is copied once with a padded row stride (see dk_group_chunked): (M, ldx); ldx = K rounded up
     # to 16 floats plus 16, so a 4 KiB-multiple row stride (K = 1024, 4096, ...) gets 64 bytes more.
@@ -321,7 +386,7 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
         for b in range((M + DK_MB - 1) // DK_MB):
             m0 = b * DK_MB
             mb = min(<Py_ssize_t> DK_MB, M - m0)
-            for g in prange(ngroups, schedule="dynamic", chunksize=4):
+            for g in prange(g0, ngroups, schedule="dynamic", chunksize=4):
                 n0 = g * DK_NR
                 dk_group_chunked(m0, mb, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xpad, ldx, wp, bp,
                                  op, wbuf, accbuf)

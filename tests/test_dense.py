@@ -97,6 +97,28 @@ def test_linear_cython_equals_numba():
         assert_close(a, c, **TOLERANCE[dtype], what=f"cython vs numba M={m} {dtype}")
 
 
+@pytest.mark.parametrize("m,n,k", [(5, 64, 32), (16, 200, 256), (17, 128, 96), (40, 192, 512)])
+def test_linear_bf16_blocks_amx_path(m, n, k):
+    # bf16 weights, M > 4, K % 32 == 0, N >= 64: the AMX tiles where the CPU has them (columns past
+    # the last whole 64 by the FMA path); fp32-exact activation parts keep the FMA path's accuracy
+    from dflash_kernels._cython import dense as cdense
+
+    x, w, b, expect = _linear_case(m + n + k, m, n, k, "bfloat16", True)
+    got = dk.linear(x, w, b, backend="cython")
+    assert_close(got, expect, **TOLERANCE["float32"], what=f"amx={cdense.amx_available()} M={m} N={n} K={k}")
+    old = cdense.set_amx_enabled(False)
+    try:
+        fma = dk.linear(x, w, b, backend="cython")
+    finally:
+        cdense.set_amx_enabled(old)
+    assert_close(got, fma, **TOLERANCE["float32"], what="AMX vs FMA path")
+    x[1, 3] = np.inf  # inf / NaN rows go to the FMA path: IEEE results
+    x[2, 0] = np.nan
+    got = dk.linear(x, w, b, backend="cython")
+    assert np.isnan(got[2]).all() and not np.isnan(got[0]).any()
+    assert np.array_equal(np.isinf(got[1]), np.ones(n, bool) & (w[:, 3] != 0))
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_independent_of_n_threads(kernel_backend, m):
     x, w, b, _ = _linear_case(7, m, 300, 1500, "bfloat16", True)  # big enough to run threaded

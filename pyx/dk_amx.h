@@ -1,0 +1,208 @@
+/* AMX-BF16 tiles for linear with bf16 weights and M > DK_MR rows (verification blocks, drafter
+   blocks, prefill).
+
+   Why: the FMA path is compute bound from M ~ 8 rows on (~130 GFLOP/s on 2 cores), so a 16-row
+   verification costs ~3x an autoregressive step. One TDPBF16PS does 16 x 16 x 32 multiply-adds.
+
+   Exactness: the activations are not rounded to bf16. Each fp32 x is split into three bf16 parts,
+   x = x1 + x2 + x3 (truncate, truncate, round: 3 x 8 significant bits = fp32's 24), and every
+   product of a part with a bf16 weight is exact in fp32; only the fp32 accumulation order differs
+   from the FMA path, as it would with any other blocking.
+
+   Layout: out^T = W x^T, so the weights are the A operand and are loaded straight from their
+   row-major (N, K) storage (16 rows x 32 bf16 per tile, stride 2K bytes), never repacked. The
+   activations are the B operand, packed once per call in the pair-interleaved ("VNNI") layout:
+   tile (m block, k block, part) = 16 k-pairs x 16 rows x 2 bf16.
+
+   Tiles: 0-3 accumulate 4 blocks of 16 output columns (a group of 64 weight rows), 4 holds the
+   weight tile, 5-7 the three activation parts. */
+#ifndef DK_AMX_H
+#define DK_AMX_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define DK_AMX_GROUP 64  /* weight rows (output columns) per work item */
+#define DK_AMX_KB 32     /* K per tile step */
+#define DK_AMX_MB 16     /* x rows per tile */
+#define DK_AMX_PARTS 3
+#ifndef DK_AMX_DIRECT_BYTES
+#define DK_AMX_DIRECT_BYTES (4 << 20)  /* weights up to this size: tile loads straight from them */
+#endif
+#ifndef DK_AMX_KC
+#define DK_AMX_KC 512    /* K chunk: a 64 x 512 bf16 weight panel (64 KiB) stays in L2 */
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DK_AMX_BUILT 1
+
+/* Linux hands out AMX tile state only on request (once per process). 1 when granted. */
+static int dk_amx_ready(void) {
+    static int state = -1;
+    if (state < 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} dk_tilecfg;
+
+/* Per thread, before its first tile instruction. */
+static void dk_amx_begin(void) {
+    dk_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+static void dk_amx_end(void) { _tile_release(); }
+
+#else
+#define DK_AMX_BUILT 0
+static int dk_amx_ready(void) { return 0; }
+static void dk_amx_begin(void) {}
+static void dk_amx_end(void) {}
+#endif
+
+static inline uint16_t dk_bf16_trunc(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }
+static inline float dk_bf16_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t dk_bf16_round(float f) {  /* round to nearest even; parts are finite */
+    uint32_t u; memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Size in uint16 of the packed activations for M rows and K (a multiple of DK_AMX_KB). */
+static long dk_amx_xsize(long M, long K) {
+    long nmb = (M + DK_AMX_MB - 1) / DK_AMX_MB;
+    return nmb * (K / DK_AMX_KB) * DK_AMX_PARTS * 16 * 32;
+}
+
+#if DK_AMX_BUILT
+/* Pack m block mb (rows 16 mb .. 16 mb + 15, zeros past M) of x (M, K), row stride ldx, into xb.
+   Returns 0 when those rows hold inf or NaN: the parts of inf are NaN, so the caller then takes the
+   FMA path (IEEE results). */
+static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, uint16_t *xb) {
+    long nkb = K / DK_AMX_KB;
+    /* the three parts of one K step, row-major: [part][row][32 bf16] = [part][row][16 pairs] */
+    uint16_t rows[DK_AMX_PARTS][DK_AMX_MB][DK_AMX_KB] __attribute__((aligned(64)));
+    uint32_t bad = 0;
+    const __m512i by_row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (long kb = 0; kb < nkb; kb++) {
+        for (long ml = 0; ml < DK_AMX_MB; ml++) {
+            long m = mb * DK_AMX_MB + ml;
+            if (m >= M) {
+                for (int p = 0; p < DK_AMX_PARTS; p++) memset(rows[p][ml], 0, sizeof rows[p][ml]);
+                continue;
+            }
+            const float *xr = x + m * ldx + kb * DK_AMX_KB;
+            for (int kk = 0; kk < DK_AMX_KB; kk++) {  /* vectorised by the compiler */
+                uint32_t u, u1, u2, u3;
+                float v = xr[kk], r1, r2;
+                memcpy(&u, &v, 4);
+                bad |= (u & 0x7F800000u) == 0x7F800000u;
+                u1 = u & 0xFFFF0000u;
+                memcpy(&r1, &u1, 4);
+                r1 = v - r1;
+                memcpy(&u2, &r1, 4);
+                u2 &= 0xFFFF0000u;
+                memcpy(&r2, &u2, 4);
+                r2 = r1 - r2;
+                memcpy(&u3, &r2, 4);
+                rows[0][ml][kk] = (uint16_t)(u >> 16);
+                rows[1][ml][kk] = (uint16_t)(u2 >> 16);
+                rows[2][ml][kk] = (uint16_t)((u3 + 0x7FFFu + ((u3 >> 16) & 1u)) >> 16);
+            }
+        }
+        /* VNNI tile = transpose of the [row][pair] dword matrix: tile row r gathers pair r of
+           every x row */
+        uint32_t *t = (uint32_t *)(xb + (mb * nkb + kb) * DK_AMX_PARTS * 512);
+        for (int p = 0; p < DK_AMX_PARTS; p++)
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(t + p * 256 + r * 16,
+                                    _mm512_i32gather_epi32(by_row, (const int *)rows[p] + r, 4));
+    }
+    return bad == 0;
+}
+#else
+static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, uint16_t *xb) {
+    (void)mb; (void)M; (void)K; (void)x; (void)ldx; (void)xb;
+    return 0;
+}
+#endif
+
+#if DK_AMX_BUILT
+/* out[:, n0 : n0 + 64] = x w[n0 : n0 + 64]^T + bias, all M rows; w bf16 (N, K), K % 32 == 0.
+   Weights beyond DK_AMX_DIRECT_BYTES come from DRAM: per K chunk the group's 64 weight row segments
+   are first copied, row by row, into `panel` (64 x DK_AMX_KC), sequential reads the hardware
+   prefetcher follows (28 layers of Qwen3-1.7B shapes at M = 16: 177 ms, against 253 ms with tile
+   loads straight from 64 DRAM rows at once). Smaller, cache-resident weights are tile-loaded in
+   place (4 MiB from L3: 229 vs 412 us). cacc holds the C tiles of every m block between
+   chunks ((M / 16 rounded up) x 4 x 16 x 16 floats). */
+static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, const uint16_t *w,
+                         const float *bias, float *out, uint16_t *panel, float *cacc) {
+    long nkb = K / DK_AMX_KB, nmb = (M + DK_AMX_MB - 1) / DK_AMX_MB;
+    const int use_panel = (double)N * K * 2 > DK_AMX_DIRECT_BYTES;
+    for (long k0 = 0; k0 < K; k0 += DK_AMX_KC) {
+        long kc = K - k0 < DK_AMX_KC ? K - k0 : DK_AMX_KC;
+        const uint16_t *wsrc = w + n0 * K + k0;
+        long ldr = K;
+        if (use_panel) {
+            for (int r = 0; r < DK_AMX_GROUP; r++)
+                memcpy(panel + r * DK_AMX_KC, wsrc + r * K, 2 * kc);
+            wsrc = panel;
+            ldr = DK_AMX_KC;
+        }
+        const long ldp = 2 * ldr;  /* bytes between weight rows */
+        for (long mb = 0; mb < nmb; mb++) {
+            float *c = cacc + mb * 4 * 256;
+            if (k0 == 0) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else {
+                _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64);
+                _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64);
+            }
+            const uint16_t *xt = xb + (mb * nkb + k0 / DK_AMX_KB) * DK_AMX_PARTS * 512;
+            for (long kb = 0; kb < kc / DK_AMX_KB; kb++, xt += DK_AMX_PARTS * 512) {
+                const uint16_t *pk = wsrc + kb * DK_AMX_KB;
+                _tile_loadd(5, xt, 64);
+                _tile_loadd(6, xt + 512, 64);
+                _tile_loadd(7, xt + 1024, 64);
+#define DK_AMX_STEP(J) \
+                _tile_loadd(4, pk + (J) * 16 * ldr, ldp); \
+                _tile_dpbf16ps(J, 4, 5); _tile_dpbf16ps(J, 4, 6); _tile_dpbf16ps(J, 4, 7);
+                DK_AMX_STEP(0) DK_AMX_STEP(1) DK_AMX_STEP(2) DK_AMX_STEP(3)
+#undef DK_AMX_STEP
+            }
+            _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
+            _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+            if (k0 + kc < K) continue;
+            long rows = M - mb * DK_AMX_MB < DK_AMX_MB ? M - mb * DK_AMX_MB : DK_AMX_MB;
+            for (long i = 0; i < rows; i++) {
+                float *o = out + (mb * DK_AMX_MB + i) * N + n0;
+                for (int j = 0; j < 4; j++)
+                    for (int r = 0; r < 16; r++) {
+                        float v = c[j * 256 + r * 16 + i];  /* tile j: [n][m] */
+                        o[j * 16 + r] = bias ? v + bias[n0 + j * 16 + r] : v;
+                    }
+            }
+        }
+    }
+}
+#else
+static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, const uint16_t *w,
+                         const float *bias, float *out, uint16_t *panel, float *cacc) {
+    (void)M; (void)K; (void)N; (void)n0; (void)xb; (void)w; (void)bias; (void)out; (void)panel; (void)cacc;
+}
+#endif
+
+#endif /* DK_AMX_H */
