@@ -12,19 +12,64 @@ import numpy as np
 
 import dflash_kernels as dk
 from dflash_kernels import linear_attention as _la
+from dflash_kernels._backends import _load, backend_error, resolve
+from dflash_kernels._threads import resolve_threads
+
+_FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
+
+
+_W_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+
+
+def _plain(a, ndim=None) -> bool:
+    """A C-contiguous float32 numpy array (of `ndim` dimensions): safe for a direct kernel call."""
+    return (type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
+            and (ndim is None or a.ndim == ndim))
+
+
+def _fixed_backend(backend):
+    """The backend "auto" resolves to when it is the same for every kernel family, else "auto"."""
+    if backend != "auto":
+        return backend
+    names = {resolve("auto", family)[0] for family in _FAMILIES}
+    return names.pop() if len(names) == 1 else "auto"
+
+
+def _amx_linear(backend) -> bool:
+    """Whether dk.linear runs bf16 blocks on AMX tiles for this backend choice."""
+    name = resolve("auto", "dense")[0] if backend == "auto" else backend
+    if name != "cython" or backend_error("cython") is not None:
+        return False
+    from dflash_kernels._cython.dense import amx_available
+
+    return amx_available()
 
 
 class Ops:
     def __init__(self, n_threads=None, backend="auto"):
         self.n_threads, self.backend = n_threads, backend
-        self.kw = {"n_threads": n_threads, "backend": backend}
+        # Resolved once: per call, "auto" and n_threads=None would read the environment again
+        # (~4 us of a ~15 us call on this model's small ops).
+        self.kw = {"n_threads": resolve_threads(n_threads), "backend": _fixed_backend(backend)}
         self.kernel_s = 0.0
+        self.amx = _amx_linear(backend)
+        # The dense kernels are called directly when the operands are arrays this layer made
+        # itself (float32 / bf16-as-uint16, C-contiguous): the public wrappers' checks and dispatch
+        # cost ~10 us per call, most of a small model's decode step. Anything else takes the
+        # public path.
+        name = self.kw["backend"]
+        self._dense = _load(name, "dense") if name in ("cython", "numba") else None
+        self._n = self.kw["n_threads"]
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""
         t = perf_counter()
         if isinstance(w, tuple):
             out = np.concatenate([dk.linear(x, part, **self.kw) for part in w], axis=-1)
+        elif (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
+              and x.shape[1] == w.shape[1] and x.size and w.size):
+            out = np.empty((x.shape[0], w.shape[0]), np.float32)
+            self._dense.linear(x, w, None, out, n_threads=self._n)
         else:
             out = dk.linear(x, w, **self.kw)
         self.kernel_s += perf_counter() - t
@@ -33,27 +78,49 @@ class Ops:
     def rms_norm(self, x, w, eps, offset=0.0):
         """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w))."""
         t = perf_counter()
-        out = dk.rms_norm(x, w, eps, offset=offset, **self.kw)
+        if self._dense is not None and _plain(x) and x.size and _plain(w, 1) and w.shape[0] == x.shape[-1]:
+            out = np.empty_like(x)
+            self._dense.rms_norm(x.reshape(-1, w.shape[0]), w, out.reshape(-1, w.shape[0]), n_threads=self._n,
+                                 eps=eps, offset=offset)
+        else:
+            out = dk.rms_norm(x, w, eps, offset=offset, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
     def add_rms_norm(self, x, residual, w, eps, offset=0.0):
         """(rms_norm(x + residual), x + residual): the pre-norm residual add fused into the norm."""
         t = perf_counter()
-        out = dk.rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
+        if (self._dense is not None and _plain(x, 2) and x.size and _plain(residual, 2)
+                and residual.shape == x.shape and _plain(w, 1) and w.shape[0] == x.shape[1]):
+            out, new_res = np.empty_like(x), np.empty_like(x)
+            self._dense.rms_norm_residual(x, residual, w, out, new_res, n_threads=self._n, eps=eps, offset=offset)
+            out = (out, new_res)
+        else:
+            out = dk.rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
     def rope(self, x, positions, theta, rotary_dim=None):
         """RoPE in place on a float32 C-contiguous (T, H, D) array (first rotary_dim dims; default D)."""
         t = perf_counter()
-        out = dk.apply_rope(x, positions, theta, rotary_dim, out=x, **self.kw)
+        rd = x.shape[-1] if rotary_dim is None else rotary_dim
+        if (self._dense is not None and _plain(x, 3) and x.size and x.flags.writeable
+                and isinstance(positions, np.ndarray) and positions.dtype == np.int64
+                and positions.shape == (x.shape[0],) and positions.flags.c_contiguous):
+            self._dense.apply_rope(x, positions, x, n_threads=self._n, theta=float(theta), rotary_dim=int(rd))
+            out = x
+        else:
+            out = dk.apply_rope(x, positions, theta, rotary_dim, out=x, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
     def silu_and_mul(self, gate_up):
         t = perf_counter()
-        out = dk.silu_and_mul(gate_up, **self.kw)
+        if self._dense is not None and _plain(gate_up, 2) and gate_up.size and gate_up.shape[1] % 2 == 0:
+            out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+            self._dense.silu_and_mul(gate_up, out, n_threads=self._n)
+        else:
+            out = dk.silu_and_mul(gate_up, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
@@ -73,10 +140,11 @@ class Ops:
     def argmax_tokens(self, hidden, lm_head):
         """Greedy token per row of final-normed hidden: argmax of hidden @ lm_head^T, first on ties."""
         t = perf_counter()
-        if hidden.shape[0] <= 4:
+        if hidden.shape[0] <= 4 or (self.amx and hidden.shape[0] <= 64):
             # Decode: linear's read-once GEMV path streams the LM head ~1.7x faster than
             # denoise_block's vocab-chunked tiles (measured on 151936 x 1024 bf16: 16.9 vs 28.9 ms),
-            # and (1..4, V) logits are small; np.argmax keeps the first index on ties.
+            # and (1..4, V) logits are small; np.argmax keeps the first index on ties. Draft blocks
+            # with AMX tiles: 15 x 151936 x 2048 in 39.6 vs 96.1 ms (4160 x 256: 0.12 vs 0.49 ms).
             out = np.argmax(np.asarray(dk.linear(hidden, lm_head, **self.kw)), axis=1)
         else:
             out = dk.denoise_block(hidden, lm_head, temperature=0.0, **self.kw)
