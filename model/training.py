@@ -331,7 +331,8 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         drafter.train()
         # tau = tokens per round. Decoding visits an anchor once per round, so fast (long-accept)
         # stretches get few rounds: the estimate is the harmonic mean of (accepted prefix + 1) over
-        # anchors, not the plain mean (which was 6.9 where decoding measured 4.3).
+        # anchors, not the plain mean. On the shipped pair's own continuations: plain mean 6.6,
+        # harmonic 3.2, decoding measured 4.1 (the harmonic mean is the conservative one).
         tau = float(1.0 / (1.0 / (acc.cumprod(-1).sum(-1) + 1)).mean())
         return float(loss), tau
 

@@ -278,7 +278,7 @@ cdef extern from "dk_amx.h" nogil:
     long dk_amx_xsize(long M, long K)
     int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, unsigned short *xb)
     void dk_amx_group(long M, long K, long N, long n0, const unsigned short *xb, const unsigned short *w,
-                      const float *bias, float *out, unsigned short *panel, float *cacc)
+                      const float *bias, float *out, float *cacc)
     void dk_rms_norm_row(const float *x, const float *res, const float *w, float offset, float eps,
                          long h, float *o, float *new_res)
     void dk_rope_row(const float *x, const float *c, const float *s, long half, long d, float *o)
@@ -326,16 +326,14 @@ cdef int _linear_amx(const float *xp, const unsigned short *wp, const float *bp,
     if finite != nmb:  # inf / NaN in x
         free(xb)
         return 0
-    cdef unsigned short *panel
     cdef float *cacc
     with nogil, parallel(num_threads=nt):
-        panel = <unsigned short *> malloc(DK_AMX_GROUP * DK_AMX_KC * sizeof(unsigned short))
         cacc = <float *> malloc(nmb * 4 * 256 * sizeof(float))
         dk_amx_begin()
-        for g in prange(N // DK_AMX_GROUP, schedule="dynamic", chunksize=1):
-            dk_amx_group(M, K, N, g * DK_AMX_GROUP, xb, wp, bp, op, panel, cacc)
+        # static: a contiguous run of groups per thread, so the group prefetched next is its own
+        for g in prange(N // DK_AMX_GROUP, schedule="static"):
+            dk_amx_group(M, K, N, g * DK_AMX_GROUP, xb, wp, bp, op, cacc)
         dk_amx_end()
-        free(panel)
         free(cacc)
     free(xb)
     return N // DK_AMX_GROUP * DK_AMX_GROUP
@@ -361,9 +359,11 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
     cdef Py_ssize_t g0 = 0  # first column group left to the FMA paths
     if M <= DK_MR:
         # Memory bound: weight rows split over threads, each read once with x in registers/L1.
-        # Dynamic chunks keep both threads busy on a shared, noisy machine; every output is still
+        # Guided chunks: long contiguous runs per thread first (28.2 GB/s from DRAM over 1 GB of
+        # Qwen3-1.7B layer weights, against 26.6 with dynamic 32-row chunks; stream read 34.5),
+        # then small ones that keep both threads busy on a shared, noisy machine. Every output is
         # computed by one thread in a fixed order, so the result does not depend on the schedule.
-        for g in prange(ngroups, nogil=True, num_threads=nt, schedule="dynamic", chunksize=8):
+        for g in prange(ngroups, nogil=True, num_threads=nt, schedule="guided", chunksize=8):
             n0 = g * DK_NR
             dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, wp, bp, op)
         return
