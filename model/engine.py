@@ -11,6 +11,7 @@ sampled outputs have the same distribution.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -314,7 +315,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     kv_dtype: "float32" or "bfloat16" target KV cache storage. n_threads / backend: passed to every
     kernel. prefill_chunk: prompt rows per target forward. fuse_weights: True stacks each layer's
     [Wq; Wk; Wv] and [Wgate; Wup] into one in-RAM bf16 copy (fewer kernel calls), False keeps every
-    weight memory-mapped, "auto" fuses checkpoints under 2 GB. Raises ConfigError / WeightsError /
+    weight memory-mapped, "auto" fuses checkpoints smaller than a quarter of physical RAM. Raises ConfigError / WeightsError /
     TokenizerError / ValueError naming the file and key.
     """
     target_dir = Path(target_dir)
@@ -339,7 +340,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     tensors, origin = read_checkpoint(target_dir)
     fuse = fuse_weights
     if fuse == "auto":
-        fuse = sum(a.nbytes for a in tensors.values()) < (2 << 30)
+        # Fusing saves 3 of 5 GEMV calls per layer (Qwen3-1.7B shape, 2 threads: AR step 132 vs
+        # 142 ms) at the price of an in-RAM copy of those weights.
+        fuse = sum(a.nbytes for a in tensors.values()) < _physical_ram_bytes() / 4
     target_cls = Qwen35Model if isinstance(tcfg, Qwen35Config) else Qwen3Model
     target = target_cls(tcfg, tensors, origin, ops=ops, prefill_chunk=prefill_chunk, fuse=fuse,
                         where=str(target_dir), tap_layer_ids=dcfg.target_layer_ids if dcfg else ())
@@ -353,6 +356,13 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     engine = Engine(target, drafter, tokenizer, stops, ops=ops, max_len=max_len, kv_dtype=kv_dtype)
     engine.target_dir, engine.drafter_dir = target_dir, drafter_dir
     return engine
+
+
+def _physical_ram_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # not POSIX: the old fixed threshold
+        return float(8 << 30)
 
 
 def _check_pair(t, d, drafter_dir) -> None:

@@ -99,12 +99,53 @@ cdef extern from * nogil:
     #define DK_PF_BYTES 1024  /* prefetch distance along a weight row */
     #endif
 
-    /* A full-K register tile, weights read in place (the M <= DK_MR path: GEMV-like, memory bound) */
+    /* bf16 weights, 2 * DK_VW at a time without a shuffle: a vector of bf16 pairs read as 32-bit
+       lanes holds the even-k weights in its low halves (lane << 16 is their fp32) and the odd-k
+       weights in its high halves (lane & 0xFFFF0000). xp2 is x with each 2 * DK_VW block stored as
+       [even k | odd k] (dk_pair_x). The upcast in dk_load_bf16 (a zero-extending shuffle per
+       DK_VW weights) capped the decode GEMV at ~27 GB/s per core even from L2. */
+    DK_AI void dk_core_pairs(const int mr, const int nr, long k0, long k1, const float *xp2, long ldx,
+                             const uint16_t *w, long ldw, dk_vf acc[DK_MR][DK_NR]) {
+        for (long k = k0; k < k1; k += 2 * DK_VW) {
+            dk_vf xe[DK_MR], xo[DK_MR];
+            for (int i = 0; i < mr; i++) {
+                xe[i] = dk_load(xp2 + i * ldx + k);
+                xo[i] = dk_load(xp2 + i * ldx + k + DK_VW);
+            }
+            for (int j = 0; j < nr; j++) {
+                dk_vu u;
+                memcpy(&u, w + j * ldw + k, sizeof u);
+                dk_vf we = (dk_vf)(u << 16), wo = (dk_vf)(u & 0xFFFF0000u);
+                for (int i = 0; i < mr; i++) {
+                    acc[i][j] += xe[i] * we;
+                    acc[i][j] += xo[i] * wo;
+                }
+            }
+        }
+    }
+
+    /* x (M, K) -> xp2: every whole 2 * DK_VW block as [even k | odd k]; the tail copied as is */
+    static void dk_pair_x(long M, long K, const float *x, float *xp2) {
+        long kv = K - K % (2 * DK_VW);
+        for (long i = 0; i < M; i++) {
+            const float *xr = x + i * K;
+            float *o = xp2 + i * K;
+            for (long b = 0; b < kv; b += 2 * DK_VW)
+                for (int j = 0; j < DK_VW; j++) {
+                    o[b + j] = xr[b + 2 * j];
+                    o[b + DK_VW + j] = xr[b + 2 * j + 1];
+                }
+            for (long k = kv; k < K; k++) o[k] = xr[k];
+        }
+    }
+
+    /* A full-K register tile, weights read in place (the M <= DK_MR path: GEMV-like, memory bound).
+       bf16 weights use dk_core_pairs on xp2 (the permuted x). */
     DK_AI void dk_tile_full(const int mr, const int nr, const int bf16, long K, const float *x,
-                            const void *w, const float *bias, float *out, long ldo) {
+                            const float *xp2, const void *w, const float *bias, float *out, long ldo) {
         dk_vf acc[DK_MR][DK_NR];
         for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) acc[i][j] = (dk_vf){0};
-        long kv = K - K % DK_VW;
+        long kv = bf16 ? K - K % (2 * DK_VW) : K - K % DK_VW;
         /* Weights stream from DRAM in a model step: ask for each row's lines DK_PF_BYTES ahead so
            the short (K * 2 or 4 byte) rows do not wait on the hardware prefetcher's ramp-up. */
         const long esz = bf16 ? 2 : 4;
@@ -113,7 +154,8 @@ cdef extern from * nogil:
             for (int j = 0; j < nr; j++)
                 for (long b = 0; b < DK_PF_STEP * esz; b += 64)
                     __builtin_prefetch((const char *) w + (j * K + k0) * esz + DK_PF_BYTES + b, 0, 3);
-            dk_core(mr, nr, bf16, k0, k1, x, K, w, K, acc);
+            if (bf16) dk_core_pairs(mr, nr, k0, k1, xp2, K, (const uint16_t *)w, K, acc);
+            else dk_core(mr, nr, 0, k0, k1, x, K, w, K, acc);
         }
         dk_finish(mr, nr, bf16, kv, K, x, K, w, K, acc, bias, out, ldo);
     }
@@ -147,13 +189,13 @@ cdef extern from * nogil:
     #define DK_MR_SWITCH(mr, CALL) switch (mr) { \\
         case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; DK_CASE4(CALL) }
 
-    static void dk_full(int mr, int nr, int bf16, long K, const float *x, const void *w,
+    static void dk_full(int mr, int nr, int bf16, long K, const float *x, const float *xp2, const void *w,
                         const float *bias, float *out, long ldo) {
     #define DK_FULL(MR_) \\
-        if (bf16) { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 1, K, x, w, bias, out, ldo); \\
-                    else dk_tile_full(MR_, 1, 1, K, x, w, bias, out, ldo); } \\
-        else { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 0, K, x, w, bias, out, ldo); \\
-               else dk_tile_full(MR_, 1, 0, K, x, w, bias, out, ldo); }
+        if (bf16) { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 1, K, x, xp2, w, bias, out, ldo); \\
+                    else dk_tile_full(MR_, 1, 1, K, x, xp2, w, bias, out, ldo); } \\
+        else { if (nr == DK_NR) dk_tile_full(MR_, DK_NR, 0, K, x, xp2, w, bias, out, ldo); \\
+               else dk_tile_full(MR_, 1, 0, K, x, xp2, w, bias, out, ldo); }
         DK_MR_SWITCH(mr, DK_FULL)
     #undef DK_FULL
     }
@@ -169,14 +211,14 @@ cdef extern from * nogil:
 
     /* out[0:M, n0:n0+nr] for M <= DK_MR: each weight row is read once, straight from memory */
     static void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
-                                const void *w, const float *bias, float *out) {
+                                const float *xp2, const void *w, const float *bias, float *out) {
         const void *wg = dk_wrow(w, n0 * K, bf16);
         const float *bg = bias ? bias + n0 : NULL;
         if (nr == DK_NR) {
-            dk_full(M, DK_NR, bf16, K, x, wg, bg, out + n0, N);
+            dk_full(M, DK_NR, bf16, K, x, xp2, wg, bg, out + n0, N);
         } else {
             for (long j = 0; j < nr; j++)
-                dk_full(M, 1, bf16, K, x, dk_wrow(wg, j * K, bf16), bg ? bg + j : NULL, out + n0 + j, N);
+                dk_full(M, 1, bf16, K, x, xp2, dk_wrow(wg, j * K, bf16), bg ? bg + j : NULL, out + n0 + j, N);
         }
     }
 
@@ -263,8 +305,9 @@ cdef extern from * nogil:
     }
     """
     int DK_MR, DK_NR, DK_KC, DK_MB, DK_VW
+    void dk_pair_x(long M, long K, const float *x, float *xp2)
     void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
-                         const void *w, const float *bias, float *out)
+                         const float *xp2, const void *w, const float *bias, float *out)
     void dk_group_chunked(long m0, long mb, long K, long N, long n0, long nr, int bf16,
                           const float *x, long ldx, const void *w, const float *bias, float *out,
                           float *wbuf, float *accbuf)
@@ -355,6 +398,7 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
     cdef float *op = &out[0, 0]
     cdef float *wbuf
     cdef float *accbuf
+    cdef float *xp2
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
     cdef Py_ssize_t g0 = 0  # first column group left to the FMA paths
     if M <= DK_MR:
@@ -363,9 +407,16 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
         # Qwen3-1.7B layer weights, against 26.6 with dynamic 32-row chunks; stream read 34.5),
         # then small ones that keep both threads busy on a shared, noisy machine. Every output is
         # computed by one thread in a fixed order, so the result does not depend on the schedule.
+        xp2 = NULL
+        if bf16:
+            xp2 = <float *> malloc(M * K * sizeof(float))
+            if xp2 == NULL:
+                raise MemoryError()
+            dk_pair_x(M, K, xp, xp2)
         for g in prange(ngroups, nogil=True, num_threads=nt, schedule="guided", chunksize=8):
             n0 = g * DK_NR
-            dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, wp, bp, op)
+            dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, xp2, wp, bp, op)
+        free(xp2)
         return
     if wtype is not float:
         g0 = _linear_amx(xp, <const unsigned short *> wp, bp, op, M, K, N, nt) // DK_NR
