@@ -355,7 +355,7 @@ def set_amx_enabled(enabled):
 
 cdef int _linear_amx(const float *xp, const unsigned short *wp, const float *bp, float *op, Py_ssize_t M,
                      Py_ssize_t K, Py_ssize_t N, int nt):
-    """AMX part of linear (see dk_amx.h): output columns [0, N - N % 64); returns how many were done."""
+    """AMX part of linear (see dk_amx.h): output columns [0, N - N % 32); returns how many were done."""
     cdef Py_ssize_t g, m, finite = 0
     cdef unsigned short *xb
     if not (_amx_enabled and DK_AMX_BUILT and K % DK_AMX_KB == 0 and N >= DK_AMX_GROUP and dk_amx_ready()):
@@ -371,7 +371,7 @@ cdef int _linear_amx(const float *xp, const unsigned short *wp, const float *bp,
         return 0
     cdef float *cacc
     with nogil, parallel(num_threads=nt):
-        cacc = <float *> malloc(nmb * 4 * 256 * sizeof(float))
+        cacc = <float *> malloc(nmb * 2 * 256 * sizeof(float))
         dk_amx_begin()
         # static: a contiguous run of groups per thread, so the group prefetched next is its own
         for g in prange(N // DK_AMX_GROUP, schedule="static"):

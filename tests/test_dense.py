@@ -100,7 +100,7 @@ def test_linear_cython_equals_numba():
 @pytest.mark.parametrize("m,n,k", [(5, 64, 32), (16, 200, 256), (17, 128, 96), (40, 192, 512)])
 def test_linear_bf16_blocks_amx_path(m, n, k):
     # bf16 weights, M > 4, K % 32 == 0, N >= 64: the AMX tiles where the CPU has them (columns past
-    # the last whole 64 by the FMA path); fp32-exact activation parts keep the FMA path's accuracy
+    # the last whole 32 by the FMA path); fp32-exact activation parts keep the FMA path's accuracy
     from dflash_kernels._cython import dense as cdense
 
     x, w, b, expect = _linear_case(m + n + k, m, n, k, "bfloat16", True)
