@@ -1,0 +1,78 @@
+"""linear with the weights in DRAM: a model step's worth of bf16 layer weights, bigger than any cache.
+
+pytest-benchmark cases reuse one matrix, which then sits in this Xeon's 480 MB L3; a decode step of
+a real model streams every weight from DRAM once. This script runs `linear` over n_layers x
+[qkv, o, gate_up, down] (+ the LM head) of a Qwen3 shape, M = 1 and M = 16, with the AMX path on and
+off, next to a streaming read of the same bytes (bench/scale.py's Numba sum), all in one process:
+
+    python bench/linear_dram.py --shape Qwen3-1.7B --layers 28 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scale import SHAPES, stream_read_gbs  # noqa: E402
+
+
+def _weights(s, n_layers: int, head: bool, rng) -> list[np.ndarray]:
+    """bf16 bit patterns of small random values (the values do not change the traffic)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    shapes = [(q + 2 * kv, s.hidden), (s.hidden, q), (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]
+    shapes = shapes * n_layers + ([(s.vocab, s.hidden)] if head else [])
+    return [rng.integers(0x3C00, 0x3C80, size=shape, dtype=np.uint16) for shape in shapes]
+
+
+def main(argv=None) -> int:
+    from dflash_kernels._cython import dense
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="Qwen3-1.7B", choices=sorted(n for n in SHAPES if n.startswith("Qwen3-")))
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--no-head", action="store_true", help="leave out the LM head")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    s = SHAPES[args.shape]
+    rng = np.random.default_rng(0)
+    mats = _weights(s, args.layers, not args.no_head, rng)
+    n_bytes = sum(w.nbytes for w in mats)
+
+    def run(m: int) -> float:
+        xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in {w.shape[1] for w in mats}}
+        outs = [np.empty((m, w.shape[0]), np.float32) for w in mats]
+
+        def step():
+            for w, o in zip(mats, outs):
+                dense.linear(xs[w.shape[1]], w, None, o, n_threads=args.threads)
+
+        step()
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    print(f"{args.shape}, {args.layers} layers{'' if args.no_head else ' + LM head'}: "
+          f"{n_bytes / 1e9:.2f} GB of bf16 weights, {args.threads} threads, AMX here: {dense.amx_available()}")
+    print(f"streaming read: {stream_read_gbs(min(n_bytes, 2 << 30), args.threads):.1f} GB/s")
+    for m in (1, 16):
+        for amx in ((True, False) if m > 4 else (True,)):
+            old = dense.set_amx_enabled(amx)
+            t = run(m)
+            dense.set_amx_enabled(old)
+            path = "GEMV" if m <= 4 else ("AMX" if amx and dense.amx_available() else "FMA")
+            print(f"M={m:2d} {path:4s}: {t * 1e3:7.1f} ms  ({n_bytes / t / 1e9:5.1f} GB/s of weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
