@@ -135,7 +135,7 @@ def cmd_train_drafter(args) -> int:
     print(json.dumps(train_drafter(args.out, args.target, steps=args.steps, layers=args.layers,
                                    block_size=args.block_size, batch=args.batch, lr=args.lr,
                                    n_sequences=args.sequences, threads=args.threads,
-                                   init_from=args.init_from), indent=2))
+                                   init_from=args.init_from, taps=args.taps), indent=2))
     return 0
 
 
@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequences", type=int, default=2048)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--taps", type=int, nargs="+", default=None, metavar="LAYER",
+                   help="target layers to read (default: the default rule of dflash.md 6)")
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                    help="start from this drafter checkpoint's weights (fine-tuning; same shapes and taps)")
     p.set_defaults(func=cmd_train_drafter)

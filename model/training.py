@@ -264,10 +264,11 @@ def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
 
 def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, batch=8, anchors=16,
                   prompt_len=64, new_tokens=192, n_sequences=2048, lr=6e-4, seed=0, resume=True,
-                  threads=None, quiet=False, init_from=None) -> dict:
+                  threads=None, quiet=False, init_from=None, taps=None) -> dict:
     """DFlash drafter on the target's greedy continuations: random anchors, block mask, decayed loss.
 
     init_from: a drafter checkpoint directory to start from (fine-tuning); ignored when resuming.
+    taps: target layer ids to read (default: the default rule, dflash.md 6).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +279,11 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         p.requires_grad_(False)
     tcfg = target.cfg
     n_layers_t = tcfg["num_hidden_layers"]
-    taps = default_taps(n_layers_t, layers)
+    if taps is None:
+        taps = default_taps(n_layers_t, layers)
+    taps = [int(i) for i in taps]
+    if not taps or any(not 0 <= i < n_layers_t for i in taps):
+        raise ValueError(f"taps must be target layer ids in [0, {n_layers_t}), got {taps}")
     mask_id = tcfg["vocab_size"] - 1  # an unused padded row of the embedding
     dcfg = {k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                   "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")}

@@ -102,3 +102,27 @@ def test_block_mask_sees_only_earlier_context_and_own_block():
 def test_loss_weights_decay():
     w = block_loss_weights(16)
     assert w.shape == (15,) and w[0] == 1.0 and torch.all(w[1:] < w[:-1])
+
+
+def test_drafter_fine_tunes_from_checkpoint_with_chosen_taps(tiny_pair, tmp_path):
+    out, _, _ = tiny_pair
+    kw = dict(steps=3, layers=2, batch=4, anchors=4, prompt_len=16, new_tokens=40, n_sequences=32, lr=0.0,
+              quiet=True)
+    tuned = T.train_drafter(tmp_path / "tuned", out / "target", init_from=out / "drafter", **kw)
+    # with a zero learning rate the fine-tuned weights are exactly the checkpoint's (bf16 round trip)
+    from safetensors.torch import load_file
+
+    a = load_file(str(out / "drafter" / "model.safetensors"))
+    b = load_file(str(tmp_path / "tuned" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert tuned["taps"] == json.loads((out / "drafter" / "config.json").read_text())["dflash_config"][
+        "target_layer_ids"]
+    chosen = T.train_drafter(tmp_path / "taps", out / "target", taps=[0, 3], **kw)
+    assert chosen["taps"] == [0, 3]
+    cfg = json.loads((tmp_path / "taps" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 3]
+    with pytest.raises(ValueError, match="target_layer_ids"):  # a checkpoint trained on other taps
+        T.train_drafter(tmp_path / "bad", out / "target", init_from=tmp_path / "taps", **kw)
+    with pytest.raises(ValueError, match="taps must be"):
+        T.train_drafter(tmp_path / "bad2", out / "target", taps=[4], **kw)
