@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tau-json", help="measured tau per k, e.g. from `dflash tune` ({k: tau})")
+    ap.add_argument("--tau-json", help="measured tau per k: {k: tau}, or the JSON of `dflash tune --out`")
     ap.add_argument("--out", help="write the results as JSON")
     args = ap.parse_args(argv)
     s = SHAPES[args.shape]
@@ -399,7 +399,10 @@ def main(argv=None) -> int:
     res["ar_vs_roofline"] = res["t_ar_s"] / res["roofline_step_s"]
     res["projected_published"] = projected(res, PUBLISHED_TAU)
     if args.tau_json:
-        res["tau_measured"] = {int(k): v for k, v in json.loads(Path(args.tau_json).read_text()).items()}
+        taus = json.loads(Path(args.tau_json).read_text())
+        if "sweep" in taus:  # `dflash tune --out` JSON
+            taus = {s_["k"]: s_["tau"] for s_ in taus["sweep"]}
+        res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
     print(f"{s.name}: T_ar {res['t_ar_s'] * 1e3:.1f} ms, roofline {res['roofline_step_s'] * 1e3:.1f} ms "
           f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s")

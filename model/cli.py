@@ -85,6 +85,8 @@ def cmd_tune(args) -> int:
                       save=not args.no_save)
     print(result["markdown"])
     print(f"best num_speculative_tokens = {result['best_k']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2) + "\n")
     return 0
 
 
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-k", type=int, default=15)
     p.add_argument("--no-save", action="store_true", help="do not store the tuned k beside the drafter")
+    p.add_argument("--out", help="also write the sweep as JSON (bench/scale.py --tau-json reads it)")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("validate", help="run every kernel against the torch reference on this machine")
