@@ -7,10 +7,10 @@ import pytest
 from dflash_kernels.model import default_model_dirs, load_default
 from dflash_kernels.model.corpus import eval_prompts
 
-# The shipped pair's greedy tau on these three held-out prompts (64 tokens) measured 3.94, 3.71 and
-# 5.73 (mean 4.46) when it was trained; a broken tap, RoPE, mask row or layout drops it to ~1, while
-# float noise between backends moves a token or two. The floor sits between the two.
-TAU_FLOOR = 3.0
+# The shipped pair's greedy tau on these three held-out prompts (64 tokens) measured 5.25, 3.94 and
+# 7.88 (mean 5.69) for the drafter shipped on 2026-12-03; a broken tap, RoPE, mask row or layout drops
+# it to ~1, while float noise between backends moves a token or two. The floor sits between the two.
+TAU_FLOOR = 4.0
 
 
 @pytest.fixture(scope="module")
