@@ -12,7 +12,7 @@ import numpy as np
 
 import dflash_kernels as dk
 from dflash_kernels import linear_attention as _la
-from dflash_kernels._backends import _load, backend_error, resolve
+from dflash_kernels._backends import _load, resolve
 from dflash_kernels._threads import resolve_threads
 
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
@@ -35,16 +35,6 @@ def _fixed_backend(backend):
     return names.pop() if len(names) == 1 else "auto"
 
 
-def _amx_linear(backend) -> bool:
-    """Whether dk.linear runs bf16 blocks on AMX tiles for this backend choice."""
-    name = resolve("auto", "dense")[0] if backend == "auto" else backend
-    if name != "cython" or backend_error("cython") is not None:
-        return False
-    from dflash_kernels._cython.dense import amx_available
-
-    return amx_available()
-
-
 class Ops:
     def __init__(self, n_threads=None, backend="auto"):
         self.n_threads, self.backend = n_threads, backend
@@ -52,7 +42,6 @@ class Ops:
         # (~4 us of a ~15 us call on this model's small ops).
         self.kw = {"n_threads": resolve_threads(n_threads), "backend": _fixed_backend(backend)}
         self.kernel_s = 0.0
-        self.amx = _amx_linear(backend)
         # The dense kernels are called directly when the operands are arrays this layer made
         # itself (float32 / bf16-as-uint16, C-contiguous): the public wrappers' checks and dispatch
         # cost ~10 us per call, most of a small model's decode step. Anything else takes the
@@ -60,6 +49,7 @@ class Ops:
         name = self.kw["backend"]
         self._dense = _load(name, "dense") if name in ("cython", "numba") else None
         self._n = self.kw["n_threads"]
+        self.amx = name == "cython" and self._dense.amx_available()  # linear runs bf16 blocks on AMX
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""

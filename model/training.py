@@ -250,16 +250,10 @@ def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
     if src_taps != taps:
         raise ValueError(f"{src / 'config.json'}: target_layer_ids {src_taps} != {taps} for this target")
     state = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
-    own = drafter.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{src / 'model.safetensors'}: does not match the drafter "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for name, p in own.items():
-        if p.shape != state[name].shape:
-            raise ValueError(f"{src / 'model.safetensors'}: {name} has shape {tuple(state[name].shape)}, "
-                             f"expected {tuple(p.shape)}")
-    drafter.load_state_dict(state)
+    try:
+        drafter.load_state_dict(state)  # strict: names missing, unexpected or of another shape
+    except RuntimeError as err:
+        raise ValueError(f"{src / 'model.safetensors'}: does not match the drafter: {err}") from None
 
 
 def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, batch=8, anchors=16,

@@ -12,7 +12,7 @@ import os
 
 from cython.parallel cimport parallel, prange
 from libc.math cimport cos, pow, sin, sqrtf
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cdef extern from * nogil:
@@ -314,7 +314,7 @@ cdef extern from * nogil:
     void dk_silu_mul_row(const float *g, const float *u, float *o, long n)
 
 cdef extern from "dk_amx.h" nogil:
-    int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_KC, DK_AMX_MB
+    int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_MB
     int dk_amx_ready()
     void dk_amx_begin()
     void dk_amx_end()

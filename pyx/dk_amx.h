@@ -32,7 +32,7 @@
 #define DK_AMX_DIRECT_BYTES (4 << 20)  /* bigger weight matrices: prefetch the next group */
 #endif
 #ifndef DK_AMX_KC
-#define DK_AMX_KC 512    /* K chunk: its 64 x 512 bf16 weights (64 KiB) serve every m block from L2 */
+#define DK_AMX_KC 512    /* K chunk: its 32 x 512 bf16 weights (32 KiB) serve every m block from L1/L2 */
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -74,13 +74,6 @@ static int dk_amx_ready(void) { return 0; }
 static void dk_amx_begin(void) {}
 static void dk_amx_end(void) {}
 #endif
-
-static inline uint16_t dk_bf16_trunc(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }
-static inline float dk_bf16_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t dk_bf16_round(float f) {  /* round to nearest even; parts are finite */
-    uint32_t u; memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Size in uint16 of the packed activations for M rows and K (a multiple of DK_AMX_KB). */
 static long dk_amx_xsize(long M, long K) {
