@@ -1,10 +1,17 @@
-"""Builds the Cython kernels in pyx/ into dflash_kernels._cython.<stem>.
+"""Builds the Cython kernels in pyx/ once per ISA tier: dflash_kernels._cython.<tier>.<stem>.
+
+Each .pyx is translated to C once; the C is compiled once per tier with that tier's -march flags
+(`TIERS` below), so one build (one wheel) carries code for every x86-64 class and the tier is
+chosen from CPUID at import (dflash_kernels/_isa.py), never by the build machine.
 
 Environment switches:
   DFLASH_NO_CYTHON=1       build no extension (the Numba and torch backends still work)
   DFLASH_REQUIRE_CYTHON=1  a failed Cython build is fatal instead of a warning
-  DFLASH_MARCH=...         -march value (default "native": the build runs where it is used;
-                           set e.g. "x86-64-v3" for a wheel meant for other machines)
+  DFLASH_MARCH=...         build one local set, dflash_kernels._cython.native.<stem>, with
+                           -march=<value> (e.g. "native") instead of the tiers; it is used as is
+  DFLASH_TIERS=a,b         build only these tiers (developers: faster rebuilds)
+  DFLASH_ONLY=stem         build only pyx/<stem>.pyx (developers)
+  DFLASH_DEBUG=1           bounds-checked, -O1 -g build (Cython boundscheck on, _FORTIFY_SOURCE)
 """
 
 import os
@@ -18,17 +25,28 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).parent
 NO_CYTHON = os.environ.get("DFLASH_NO_CYTHON") == "1"
 REQUIRE_CYTHON = os.environ.get("DFLASH_REQUIRE_CYTHON") == "1"
-MARCH = os.environ.get("DFLASH_MARCH", "native")
-ONLY = os.environ.get("DFLASH_ONLY")  # developers: rebuild just pyx/<ONLY>.pyx
+MARCH = os.environ.get("DFLASH_MARCH")
+ONLY = os.environ.get("DFLASH_ONLY")
+DEBUG = os.environ.get("DFLASH_DEBUG") == "1"
+
+# Tier -> compiler flags. The same names and order as dflash_kernels/_isa.py (TIERS); each tier's
+# flags are a superset of the one before. x86-64-v3 = AVX2 + FMA + F16C + BMI; v4 adds AVX-512
+# F/BW/CD/DQ/VL. -mtune stays generic: the tier, not the build machine, decides the code.
+TIERS = {
+    "avx2": ["-march=x86-64-v3"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+}
 
 # Reassociation lets gcc vectorise float reductions; deliberately NOT -ffast-math, whose
 # -ffinite-math-only would break the -inf masks and NaN checks the kernels rely on.
 FLOAT_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
+OPT_FLAGS = ["-O1", "-g", "-D_FORTIFY_SOURCE=2"] if DEBUG else ["-O3"]
 
 
 def _openmp_flags():
     """Return (compile, link) OpenMP flags if the compiler accepts them, else ([], [])."""
-    import distutils.ccompiler  # noqa: F401  (setuptools provides the shim)
     from setuptools._distutils.ccompiler import new_compiler
     from setuptools._distutils.sysconfig import customize_compiler
 
@@ -46,6 +64,19 @@ def _openmp_flags():
     return ["-fopenmp"], ["-fopenmp"]
 
 
+def _selected_tiers() -> dict[str, list[str]]:
+    if MARCH:
+        return {"native": [f"-march={MARCH}"]}
+    wanted = os.environ.get("DFLASH_TIERS")
+    if not wanted:
+        return TIERS
+    names = [t.strip() for t in wanted.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TIERS]
+    if unknown:
+        raise SystemExit(f"DFLASH_TIERS: unknown tier(s) {unknown}; choose from {list(TIERS)}")
+    return {t: TIERS[t] for t in names}
+
+
 def _extensions():
     if NO_CYTHON:
         return []
@@ -59,33 +90,48 @@ def _extensions():
         print(f"dflash_kernels: Cython unavailable ({err}); building without compiled kernels")
         return []
     omp_compile, omp_link = _openmp_flags()
-    extensions = [
-        Extension(
-            f"dflash_kernels._cython.{pyx.stem}",
-            [str(pyx.relative_to(HERE))],
-            include_dirs=[np.get_include(), str(HERE / "pyx")],
-            extra_compile_args=["-O3", f"-march={MARCH}", *FLOAT_FLAGS, *omp_compile],
-            extra_link_args=omp_link,
-            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        )
-        for pyx in sorted((HERE / "pyx").glob("*.pyx"))
-        if ONLY is None or pyx.stem == ONLY
-    ]
-    return cythonize(
-        extensions,
+    # Translate each .pyx once (module dflash_kernels._cython.<stem>) ...
+    generic = cythonize(
+        [
+            Extension(f"dflash_kernels._cython.{pyx.stem}", [str(pyx.relative_to(HERE))])
+            for pyx in sorted((HERE / "pyx").glob("*.pyx"))
+            if ONLY is None or pyx.stem == ONLY
+        ],
         language_level=3,
         compiler_directives={
-            "boundscheck": False,
+            "boundscheck": DEBUG,
             "wraparound": False,
             "cdivision": True,
-            "initializedcheck": False,
+            "initializedcheck": DEBUG,
             "nonecheck": False,
         },
     )
+    # ... then compile the C once per tier. Only the last name component must match the C file's
+    # PyInit_<stem>; Python imports it as dflash_kernels._cython.<tier>.<stem>.
+    extensions = []
+    for tier, march in _selected_tiers().items():
+        for ext in generic:
+            stem = ext.name.rsplit(".", 1)[1]
+            extensions.append(Extension(
+                f"dflash_kernels._cython.{tier}.{stem}",
+                list(ext.sources),
+                include_dirs=[np.get_include(), str(HERE / "pyx")],
+                extra_compile_args=[*OPT_FLAGS, *march, *FLOAT_FLAGS, *omp_compile],
+                extra_link_args=omp_link,
+                define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                               ("DK_TIER", f'"{tier}"')],
+            ))
+    return extensions
 
 
 class OptionalBuildExt(build_ext):
-    """A failed compile leaves the pure-Python backends usable unless DFLASH_REQUIRE_CYTHON=1."""
+    """Builds in parallel; a failed compile leaves the pure-Python backends usable unless
+    DFLASH_REQUIRE_CYTHON=1."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def run(self):
         try:

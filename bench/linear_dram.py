@@ -31,7 +31,9 @@ def _weights(s, n_layers: int, head: bool, rng) -> list[np.ndarray]:
 
 
 def main(argv=None) -> int:
-    from dflash_kernels._cython import dense
+    import dflash_kernels as dk
+
+    dense = dk.kernel_module("dense", "cython")
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="Qwen3-1.7B", choices=sorted(n for n in SHAPES if n.startswith("Qwen3-")))

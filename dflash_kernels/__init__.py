@@ -7,8 +7,22 @@ bfloat16 storage (torch.bfloat16 or numpy uint16 bit patterns), computes in floa
 
 __version__ = "0.1.0"
 
-from ._backends import available_backends
+import os as _os
+import sys as _sys
+
+from . import _isa
+
+# DFLASH_ISA caps Numba's code generation too, when Numba is not imported yet (its CPU target is
+# read once, at import): the same tier for every backend.
+if _os.environ.get("DFLASH_ISA") and "numba" not in _sys.modules and "NUMBA_CPU_NAME" not in _os.environ:
+    _cap = _isa.parse_cap(_os.environ["DFLASH_ISA"])
+    if _cap is not None:
+        _os.environ["NUMBA_CPU_NAME"] = _isa.NUMBA_CPU[_isa.cap_tier(_cap, _isa.machine_tier()) or "avx2"]
+
+from ._backends import available_backends, kernel_module
 from ._config import show_config
+from ._isa import active_tier, set_isa
+from ._precision import get_matmul_precision, set_matmul_precision
 from .acceptance import accept_greedy, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .dense import apply_rope, linear, rms_norm, silu_and_mul
@@ -24,6 +38,11 @@ from .linear_attention import (
 
 __all__ = [
     "accept_greedy",
+    "active_tier",
+    "get_matmul_precision",
+    "kernel_module",
+    "set_isa",
+    "set_matmul_precision",
     "apply_output_gate",
     "causal_conv1d",
     "conv_state_at",

@@ -1,6 +1,7 @@
 """Backend registry: which implementations of the kernels can run here.
 
-"cython" are the compiled kernels in dflash_kernels._cython, "numba" the JIT kernels in
+"cython" are the compiled kernels in dflash_kernels._cython.<tier> (the ISA tier from _isa.py),
+"numba" the JIT kernels in
 dflash_kernels._numba, "torch" the reference implementations (dflash_kernels.reference) run in float32.
 `backend="auto"` picks the first available of ``DFLASH_BACKEND`` (if set), cython, numba, torch.
 """
@@ -13,6 +14,8 @@ import os
 from functools import lru_cache
 from types import ModuleType
 
+from . import _isa
+
 log = logging.getLogger("dflash_kernels")
 
 BACKENDS = ("cython", "numba", "torch")
@@ -24,12 +27,35 @@ _PACKAGES = {
 
 
 @lru_cache(maxsize=None)
-def _load(backend: str, family: str) -> ModuleType | Exception:
-    """Import the module implementing `family` for `backend`, or return the import error."""
+def _import(name: str) -> ModuleType | Exception:
     try:
-        return importlib.import_module(f"{_PACKAGES[backend]}.{family}")
+        return importlib.import_module(name)
     except Exception as err:  # ImportError, or a broken compiled module
         return err
+
+
+def load_tier(family: str, tier: str) -> ModuleType | Exception:
+    """The compiled module of `family` built for `tier`, or its import error."""
+    return _import(f"dflash_kernels._cython.{tier}.{family}")
+
+
+def _load(backend: str, family: str) -> ModuleType | Exception:
+    """Import the module implementing `family` for `backend`, or return the import error.
+
+    Cython: the best tier at or below the active one that was built (see _isa.tiers_to_try).
+    """
+    if backend != "cython":
+        return _import(f"{_PACKAGES[backend]}.{family}")
+    errors = []
+    for tier in _isa.tiers_to_try():
+        mod = load_tier(family, tier)
+        if not isinstance(mod, Exception):
+            return mod
+        if tier != _isa.NATIVE:
+            errors.append(mod)
+    if _isa.machine_tier() is None:
+        return RuntimeError("the compiled kernels need an x86-64 CPU with AVX2 and FMA")
+    return errors[0] if errors else RuntimeError(f"no compiled {family} kernels")
 
 
 def backend_error(backend: str, family: str = "dense") -> Exception | None:
@@ -71,3 +97,18 @@ def resolve(backend: str | None, family: str) -> tuple[str, ModuleType]:
             _warned.add(name)
             log.info("dflash_kernels: backend %s unavailable (%s), falling back", name, mod)
     raise RuntimeError(f"no backend can run {family}")  # torch always imports; unreachable in practice
+
+
+def kernel_module(family: str, backend: str = "auto") -> ModuleType:
+    """The kernel module of `family` ("dense", "attention", "denoise", "acceptance",
+    "linear_attention") that `backend` runs here: for "cython", the one built for the active ISA tier.
+
+    Its functions are the unchecked entry points behind the public ops: ``op(*inputs, *outs,
+    n_threads=n, **params)`` on C-contiguous numpy arrays the caller owns (float32, bf16 as uint16),
+    writing into the preallocated outputs. For callers that validate once and call many times (the
+    model layer, engines); anything else should use the public ops.
+    """
+    if family not in ("dense", "attention", "denoise", "acceptance", "linear_attention"):
+        raise ValueError(f"family must be one of dense, attention, denoise, acceptance, linear_attention, "
+                         f"got {family!r}")
+    return resolve(backend, family)[1]

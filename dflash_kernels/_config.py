@@ -5,34 +5,42 @@ from __future__ import annotations
 import platform
 import sys
 
-from ._backends import BACKENDS, backend_error
+from . import _isa
+from ._backends import BACKENDS, backend_error, load_tier, resolve
+from ._precision import PRECISIONS, get_matmul_precision
 from ._threads import default_threads
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def isa_summary() -> str:
-    flags = _cpu_flags()
+    flags = _isa.cpu_flags()
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
     have = [f for f in wanted if f in flags]
     return " ".join(have) if have else "unknown (no /proc/cpuinfo flags)"
 
 
-def _block_linear_path() -> str:
+def tier_lines() -> list[str]:
+    """The ISA tier: what the machine has, the cap, what runs, and the path each matmul takes."""
+    built = [t for t in (*_isa.TIERS, _isa.NATIVE) if not isinstance(load_tier("dense", t), Exception)]
+    lines = [
+        f"ISA tier: machine {_isa.machine_tier() or 'below avx2'}, cap {_isa.current_cap() or 'none'} "
+        f"(DFLASH_ISA / set_isa), running {_isa.active_tier() or 'none'}; compiled tiers: "
+        f"{', '.join(built) or 'none'}",
+    ]
     try:
-        from ._cython.dense import amx_available
-    except ImportError:
-        return "FMA (no Cython kernels)"
-    return "AMX-BF16 tiles (fp32-exact 3-part activations)" if amx_available() else "FMA"
+        name, dense = resolve("cython", "dense")
+    except RuntimeError as err:
+        return [*lines, f"Cython kernels unavailable ({err}): ops run on Numba or torch"]
+    prec = get_matmul_precision()
+    parts = PRECISIONS[prec]
+    lines.append(f"cython module tier: {dense.TIER}; matmul precision: {prec} (set_matmul_precision)")
+    for rows, what in ((1, "decode"), (16, "verify/draft block"), (512, "prefill chunk")):
+        paths = {p: dense.path_name(rows, 4096, 4096, True, PRECISIONS[p]) for p in PRECISIONS}
+        lines.append(f"linear bf16 weights, M={rows} ({what}): "
+                     + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
+    lines.append(f"linear fp32 weights, M=16: {dense.path_name(16, 4096, 4096, False, parts)}")
+    lines.append(f"attention, denoise_block, norms, RoPE, linear attention: {dense.TIER} vectors "
+                 f"({'16' if dense.TIER != 'avx2' else '8'}-float FMA where the compiler vectorises)")
+    return lines
 
 
 def config_lines() -> list[str]:
@@ -47,8 +55,8 @@ def config_lines() -> list[str]:
         err = backend_error(b)
         lines.append(f"backend {b:7s} {'available' if err is None else f'unavailable: {err}'}")
     lines += [
-        f"cpu ISA: {isa_summary()}",
-        f"linear, bf16 weights, M > 4 rows: {_block_linear_path()}",
+        f"cpu: {_isa.cpu_model()}; ISA flags: {isa_summary()}",
+        *tier_lines(),
         f"threads: default {default_threads()}, numba pool {numba.config.NUMBA_NUM_THREADS}, "
         f"torch {torch.get_num_threads()}",
         f"numpy {numpy.__version__}, numba {numba.__version__}, torch {torch.__version__}",

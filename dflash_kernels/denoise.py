@@ -5,16 +5,19 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import torch
 
 from ._backends import resolve
 from ._dispatch import run
+from ._precision import parts as precision_parts
 from ._tensors import any_torch, f32_array, float_array, index_array, wrap
 from ._threads import resolve_threads
 from .acceptance import check_sampling, check_uniforms, draw_uniforms
+from .reference.dense import round_activations
 
 
 def denoise_block(hidden, lm_head, *, temperature=0.0, top_k=0, top_p=1.0, generator=None, uniforms=None,
-                  n_threads=None, backend="auto"):
+                  precision=None, n_threads=None, backend="auto"):
     """One token per row of ``hidden @ lm_head^T``, without materialising the logits when greedy.
 
     hidden (T, H) float32 (bf16 is upcast): the drafter block's final-normed rows (or the target's
@@ -27,11 +30,17 @@ def denoise_block(hidden, lm_head, *, temperature=0.0, top_k=0, top_p=1.0, gener
     `generator` (int seed, numpy Generator, torch.Generator; None = fresh) when not given.
     Logits are materialised (T, V) float32 on this path.
 
+    precision: of the logits' products, as in ``linear`` (hidden rounded to bf16 parts); None = the
+    process default (``set_matmul_precision``).
+
     A NaN logit (NaN / inf in hidden or lm_head) raises ValueError; hidden is checked up front,
     lm_head only through the logits it produces.
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    parts = precision_parts(precision)
     x = f32_array(hidden, "hidden", ndim=2)
+    if parts < 3:
+        x = round_activations(torch.from_numpy(np.ascontiguousarray(x)), parts).numpy()
     w = float_array(lm_head, "lm_head", ndim=2)
     t_sz, h_sz = x.shape
     if w.shape[1] != h_sz:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ._dispatch import run
+from ._precision import parts as precision_parts
 from ._tensors import dtype_name, f32_array, float_array, index_array, is_torch, wrap
 
 
@@ -23,14 +24,17 @@ def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
     return wrap(out, is_torch(gate_up))
 
 
-def linear(x, weight, bias=None, *, n_threads=None, backend="auto"):
+def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="auto"):
     """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
 
     x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
     place (bf16 is upcast inside the kernel, never as a whole matrix; read-only / memory-mapped
     weights are fine). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
+    precision: "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two
+    or one bf16 parts, see ``set_matmul_precision``); None = the process default.
     NaN / inf in the inputs propagate as in IEEE arithmetic.
     """
+    parts = precision_parts(precision)
     if getattr(x, "ndim", 1) < 1:
         raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
     xa = f32_array(x, "x")
@@ -50,7 +54,7 @@ def linear(x, weight, bias=None, *, n_threads=None, backend="auto"):
     if out.size and k == 0:  # an empty sum: only the bias is left
         out[...] = 0.0 if b is None else b
     elif out.size:
-        run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads)
+        run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads, parts=parts)
     return wrap(out.reshape(*lead, n), is_torch(x))
 
 

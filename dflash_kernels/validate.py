@@ -1,8 +1,10 @@
 """Kernel validation on this hardware: every compiled backend against the torch reference.
 
 `dflash validate` (and `python -m dflash_kernels.validate`) runs each op on randomized inputs at
-realistic and odd shapes, with float32 and bf16 storage, and prints a pass/fail table. Floats are
-compared as max |kernel - reference| / rms(reference) against the float32 reference backend; token ids and accept counts exactly.
+realistic and odd shapes, with float32 and bf16 storage and every matmul precision, and prints a
+pass/fail table. The Cython kernels run at every ISA tier this machine supports (through the cap,
+``set_isa``), each a row of its own. Floats are compared as max |kernel - reference| /
+rms(reference) against the float32 reference backend; token ids and accept counts exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Callable
 
 import numpy as np
 
+from . import _isa
 from ._backends import available_backends
+from ._config import config_lines
 from ._tensors import f32_to_bf16
 
 
@@ -56,6 +60,10 @@ def _checks(seed: int) -> list[Check]:
         for m, n, k in ((1, 4096, 1024), (16, 1000, 1024), (7, 33, 130)):
             x, w = f(m, k), _store(f(n, k, s=0.05), dt)
             checks.append(Check(f"linear {dt} {m}x{k}->{n}", lambda b, a=(x, w): dk.linear(*a, backend=b)))
+            if dt == "bfloat16":
+                for prec in ("high", "medium"):
+                    checks.append(Check(f"linear {dt} {prec} {m}x{k}->{n}",
+                                        lambda b, a=(x, w), p=prec: dk.linear(*a, precision=p, backend=b)))
         x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
         checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
         gu = _store(f(16, 2 * 3072), dt)
@@ -64,6 +72,9 @@ def _checks(seed: int) -> list[Check]:
         h, lm = f(16, 256), _store(f(5000, 256), dt)
         checks.append(Check(f"denoise_block greedy {dt} 16x256 V5000",
                             lambda b, a=(h, lm): dk.denoise_block(*a, backend=b), exact=True))
+        checks.append(Check(f"denoise_block greedy medium {dt} 16x256 V5000",
+                            lambda b, a=(h, lm): dk.denoise_block(*a, precision="medium", backend=b),
+                            exact=True))
         checks.append(Check(f"denoise_block T=0.7 {dt} 16x256 V5000",
                             lambda b, a=(h, lm): dk.denoise_block(*a, temperature=0.7, generator=seed, backend=b),
                             exact=True))
@@ -130,24 +141,42 @@ def _compare(got, ref, check: Check) -> tuple[bool, str]:
     return worst <= check.rtol, f"max err / rms {worst:.2e}"
 
 
+def _contenders() -> list[tuple[str, str, str | None]]:
+    """(label, backend, ISA cap) for every compiled backend, Cython once per supported tier."""
+    out = []
+    if "cython" in available_backends():
+        machine = _isa.machine_tier()
+        tiers = _isa.TIERS[: _isa.TIERS.index(machine) + 1] if machine else ()
+        out += [(f"cython/{t}", "cython", t) for t in tiers] or [("cython", "cython", None)]
+    if "numba" in available_backends():
+        out.append(("numba", "numba", None))
+    return out
+
+
 def validate(seed: int = 0, file=sys.stdout) -> bool:
-    """Run every check on every compiled backend; print a table; return True when all pass."""
-    backends = [b for b in available_backends() if b != "torch"]
+    """Run every check on every compiled backend and tier; print a table; return True when all pass."""
+    print("\n".join(config_lines()), file=file)
+    contenders = _contenders()
     rows, ok_all = [], True
-    for check in _checks(seed):
-        ref = check.run("torch")
-        for b in backends:
-            t0 = time.perf_counter()
-            try:
-                ok, detail = _compare(check.run(b), ref, check)
-            except Exception as err:  # a crash is a failure to report, not to hide
-                ok, detail = False, f"error: {type(err).__name__}: {err}"
-            rows.append((check.name, b, "PASS" if ok else "FAIL", detail, time.perf_counter() - t0))
-            ok_all &= ok
+    saved_cap = _isa.current_cap()
+    try:
+        for check in _checks(seed):
+            ref = check.run("torch")
+            for label, b, cap in contenders:
+                _isa.set_isa(cap or saved_cap)
+                t0 = time.perf_counter()
+                try:
+                    ok, detail = _compare(check.run(b), ref, check)
+                except Exception as err:  # a crash is a failure to report, not to hide
+                    ok, detail = False, f"error: {type(err).__name__}: {err}"
+                rows.append((check.name, label, "PASS" if ok else "FAIL", detail, time.perf_counter() - t0))
+                ok_all &= ok
+    finally:
+        _isa.set_isa(saved_cap)
     width = max(len(r[0]) for r in rows)
-    print(f"{'check':{width}s}  backend  result  detail", file=file)
+    print(f"{'check':{width}s}  {'backend':18s}  result  detail", file=file)
     for name, b, res, detail, _ in rows:
-        print(f"{name:{width}s}  {b:7s}  {res:6s}  {detail}", file=file)
+        print(f"{name:{width}s}  {b:18s}  {res:6s}  {detail}", file=file)
     n_fail = sum(r[2] == "FAIL" for r in rows)
     print(f"{len(rows) - n_fail} passed, {n_fail} failed", file=file)
     return ok_all

@@ -12,7 +12,8 @@ import numpy as np
 
 import dflash_kernels as dk
 from dflash_kernels import linear_attention as _la
-from dflash_kernels._backends import _load, resolve
+from dflash_kernels._backends import resolve
+from dflash_kernels._precision import check_precision, parts as precision_parts
 from dflash_kernels._threads import resolve_threads
 
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
@@ -36,8 +37,12 @@ def _fixed_backend(backend):
 
 
 class Ops:
-    def __init__(self, n_threads=None, backend="auto"):
+    def __init__(self, n_threads=None, backend="auto", precision=None):
         self.n_threads, self.backend = n_threads, backend
+        # One precision for every matmul of the model (fixed here, not read per call), so a target
+        # step and a verification row compute the same way.
+        self.precision = check_precision(precision)
+        self._parts = precision_parts(self.precision)
         # Resolved once: per call, "auto" and n_threads=None would read the environment again
         # (~4 us of a ~15 us call on this model's small ops).
         self.kw = {"n_threads": resolve_threads(n_threads), "backend": _fixed_backend(backend)}
@@ -47,22 +52,30 @@ class Ops:
         # cost ~10 us per call, most of a small model's decode step. Anything else takes the
         # public path.
         name = self.kw["backend"]
-        self._dense = _load(name, "dense") if name in ("cython", "numba") else None
+        self._dense = dk.kernel_module("dense", name) if name in ("cython", "numba") else None
         self._n = self.kw["n_threads"]
-        self.amx = name == "cython" and self._dense.amx_available()  # linear runs bf16 blocks on AMX
+        # bf16 LM-head blocks: linear + argmax beats denoise_block's FMA tiles where linear runs
+        # them on AMX tiles or vdpbf16ps
+        self.block_head_linear = name == "cython" and (
+            self._dense.amx_available() or (self._parts < 3 and self._dense.bf16dot_pays()))
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""
         t = perf_counter()
+        out = self._matmul(x, w)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def _matmul(self, x, w):
         if isinstance(w, tuple):
-            out = np.concatenate([dk.linear(x, part, **self.kw) for part in w], axis=-1)
+            out = np.concatenate([dk.linear(x, part, precision=self.precision, **self.kw) for part in w],
+                                 axis=-1)
         elif (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
               and x.shape[1] == w.shape[1] and x.size and w.size):
             out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            self._dense.linear(x, w, None, out, n_threads=self._n)
+            self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
         else:
-            out = dk.linear(x, w, **self.kw)
-        self.kernel_s += perf_counter() - t
+            out = dk.linear(x, w, precision=self.precision, **self.kw)
         return out
 
     def rms_norm(self, x, w, eps, offset=0.0):
@@ -130,14 +143,14 @@ class Ops:
     def argmax_tokens(self, hidden, lm_head):
         """Greedy token per row of final-normed hidden: argmax of hidden @ lm_head^T, first on ties."""
         t = perf_counter()
-        if hidden.shape[0] <= 4 or (self.amx and hidden.shape[0] <= 64):
+        if hidden.shape[0] <= 4 or (self.block_head_linear and hidden.shape[0] <= 64):
             # Decode: linear's read-once GEMV path streams the LM head ~1.7x faster than
             # denoise_block's vocab-chunked tiles (measured on 151936 x 1024 bf16: 16.9 vs 28.9 ms),
             # and (1..4, V) logits are small; np.argmax keeps the first index on ties. Draft blocks
             # with AMX tiles: 15 x 151936 x 2048 in 39.6 vs 96.1 ms (4160 x 256: 0.12 vs 0.49 ms).
-            out = np.argmax(np.asarray(dk.linear(hidden, lm_head, **self.kw)), axis=1)
+            out = np.argmax(np.asarray(self._matmul(hidden, lm_head)), axis=1)
         else:
-            out = dk.denoise_block(hidden, lm_head, temperature=0.0, **self.kw)
+            out = dk.denoise_block(hidden, lm_head, temperature=0.0, precision=self.precision, **self.kw)
         self.kernel_s += perf_counter() - t
         return np.asarray(out, dtype=np.int64)
 

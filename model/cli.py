@@ -15,6 +15,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
     p.add_argument("--backend", default="auto", help="kernel backend: auto, cython, numba, torch")
+    p.add_argument("--precision", default="highest", choices=("highest", "high", "medium"),
+                   help="matmul precision: exact fp32 activations, two bf16 parts, or one bf16 part as "
+                        "torch/vLLM bf16 (default: highest)")
+    p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),
+                   help="cap the compiled kernels' ISA tier, as DFLASH_ISA (default: the CPU's best)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +42,11 @@ def _load(args):
         drafter = drafter or default_drafter
     if args.no_drafter:
         drafter = None
-    return load(target, drafter, n_threads=args.threads, backend=args.backend)
+    if args.isa:
+        import dflash_kernels as dk
+
+        dk.set_isa(args.isa)
+    return load(target, drafter, n_threads=args.threads, backend=args.backend, precision=args.precision)
 
 
 def cmd_generate(args) -> int:

@@ -307,7 +307,7 @@ class _Run:
 
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
-         fuse_weights="auto") -> Engine:
+         fuse_weights="auto", precision: str | None = None) -> Engine:
     """Load a Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter, from HF
     checkpoint directories.
 
@@ -315,8 +315,11 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     kv_dtype: "float32" or "bfloat16" target KV cache storage. n_threads / backend: passed to every
     kernel. prefill_chunk: prompt rows per target forward. fuse_weights: True stacks each layer's
     [Wq; Wk; Wv] and [Wgate; Wup] into one in-RAM bf16 copy (fewer kernel calls), False keeps every
-    weight memory-mapped, "auto" fuses checkpoints smaller than a quarter of physical RAM. Raises ConfigError / WeightsError /
-    TokenizerError / ValueError naming the file and key.
+    weight memory-mapped, "auto" fuses checkpoints smaller than a quarter of physical RAM.
+    precision: matmul precision of every linear layer and LM-head pass, "highest" (default), "high"
+    or "medium" (dflash_kernels.set_matmul_precision). Target steps, verification rows and drafts
+    all use it, so greedy DFlash output stays identical to greedy autoregressive output under each.
+    Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
     """
     target_dir = Path(target_dir)
     if kv_dtype not in ("float32", "bfloat16"):
@@ -336,7 +339,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         drafter_dir = Path(drafter_dir)
         dcfg = load_dflash_config(drafter_dir, num_target_layers=tcfg.num_hidden_layers)
         _check_pair(tcfg, dcfg, drafter_dir)
-    ops = Ops(n_threads=n_threads, backend=backend)
+    ops = Ops(n_threads=n_threads, backend=backend, precision=precision)
     tensors, origin = read_checkpoint(target_dir)
     fuse = fuse_weights
     if fuse == "auto":

@@ -4,15 +4,15 @@
    Why: the FMA path is compute bound from M ~ 8 rows on (~130 GFLOP/s on 2 cores), so a 16-row
    verification costs ~3x an autoregressive step. One TDPBF16PS does 16 x 16 x 32 multiply-adds.
 
-   Exactness: the activations are not rounded to bf16. Each fp32 x is split into three bf16 parts,
-   x = x1 + x2 + x3 (truncate, truncate, round: 3 x 8 significant bits = fp32's 24), and every
-   product of a part with a bf16 weight is exact in fp32; only the fp32 accumulation order differs
-   from the FMA path, as it would with any other blocking.
+   Precision: each fp32 x is split into `parts` bf16 parts (dk_bf16dot.h): three for "highest"
+   (x = x1 + x2 + x3, 3 x 8 significant bits = fp32's 24, exact), two for "high", one for
+   "medium". Every product of a part with a bf16 weight is exact in fp32; only the fp32
+   accumulation order differs from the FMA path, as it would with any other blocking.
 
    Layout: out^T = W x^T, so the weights are the A operand and are loaded straight from their
    row-major (N, K) storage (16 rows x 32 bf16 per tile, stride 2K bytes), never repacked. The
    activations are the B operand, packed once per call in the pair-interleaved ("VNNI") layout:
-   tile (m block, k block, part) = 16 k-pairs x 16 rows x 2 bf16.
+   tile (m block, k block, part) = 16 k-pairs x 16 rows x 2 bf16, `parts` tiles per step.
 
    Tiles: 0-1 accumulate 2 blocks of 16 output columns (a group of 32 weight rows), 2-3 hold their
    weight tiles, 4-6 the three activation parts. Both weight tiles are loaded before the six
@@ -24,10 +24,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "dk_bf16dot.h"  /* dk_split_run: the activation parts */
+
 #define DK_AMX_GROUP 32  /* weight rows (output columns) per work item: two C tiles */
 #define DK_AMX_KB 32     /* K per tile step */
 #define DK_AMX_MB 16     /* x rows per tile */
-#define DK_AMX_PARTS 3
+#define DK_AMX_PARTS 3   /* at most */
 #ifndef DK_AMX_DIRECT_BYTES
 #define DK_AMX_DIRECT_BYTES (4 << 20)  /* bigger weight matrices: prefetch the next group */
 #endif
@@ -40,6 +42,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define DK_AMX_BUILT 1
+#define DK_AI_AMX static inline __attribute__((always_inline))
 
 /* Linux hands out AMX tile state only on request (once per process). 1 when granted. */
 static int dk_amx_ready(void) {
@@ -75,19 +78,19 @@ static void dk_amx_begin(void) {}
 static void dk_amx_end(void) {}
 #endif
 
-/* Size in uint16 of the packed activations for M rows and K (a multiple of DK_AMX_KB). */
-static long dk_amx_xsize(long M, long K) {
+/* Size in uint16 of the packed activations for M rows, K (a multiple of DK_AMX_KB), `parts` parts. */
+static long dk_amx_xsize(long M, long K, int parts) {
     long nmb = (M + DK_AMX_MB - 1) / DK_AMX_MB;
-    return nmb * (K / DK_AMX_KB) * DK_AMX_PARTS * 16 * 32;
+    return nmb * (K / DK_AMX_KB) * parts * 16 * 32;
 }
 
 #if DK_AMX_BUILT
-/* Pack m block mb (rows 16 mb .. 16 mb + 15, zeros past M) of x (M, K), row stride ldx, into xb.
-   Returns 0 when those rows hold inf or NaN: the parts of inf are NaN, so the caller then takes the
-   FMA path (IEEE results). */
-static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, uint16_t *xb) {
+/* Pack m block mb (rows 16 mb .. 16 mb + 15, zeros past M) of x (M, K), row stride ldx, into xb as
+   `parts` parts. Returns 0 when those rows hold inf or NaN: the parts of inf are NaN, so the caller
+   then takes the FMA path (IEEE results). */
+static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, int parts, uint16_t *xb) {
     long nkb = K / DK_AMX_KB;
-    /* the three parts of one K step, row-major: [part][row][32 bf16] = [part][row][16 pairs] */
+    /* the parts of one K step, row-major: [part][row][32 bf16] = [part][row][16 pairs] */
     uint16_t rows[DK_AMX_PARTS][DK_AMX_MB][DK_AMX_KB] __attribute__((aligned(64)));
     uint32_t bad = 0;
     const __m512i by_row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
@@ -96,32 +99,16 @@ static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, 
         for (long ml = 0; ml < DK_AMX_MB; ml++) {
             long m = mb * DK_AMX_MB + ml;
             if (m >= M) {
-                for (int p = 0; p < DK_AMX_PARTS; p++) memset(rows[p][ml], 0, sizeof rows[p][ml]);
+                for (int p = 0; p < parts; p++) memset(rows[p][ml], 0, sizeof rows[p][ml]);
                 continue;
             }
-            const float *xr = x + m * ldx + kb * DK_AMX_KB;
-            for (int kk = 0; kk < DK_AMX_KB; kk++) {  /* vectorised by the compiler */
-                uint32_t u, u1, u2, u3;
-                float v = xr[kk], r1, r2;
-                memcpy(&u, &v, 4);
-                bad |= (u & 0x7F800000u) == 0x7F800000u;
-                u1 = u & 0xFFFF0000u;
-                memcpy(&r1, &u1, 4);
-                r1 = v - r1;
-                memcpy(&u2, &r1, 4);
-                u2 &= 0xFFFF0000u;
-                memcpy(&r2, &u2, 4);
-                r2 = r1 - r2;
-                memcpy(&u3, &r2, 4);
-                rows[0][ml][kk] = (uint16_t)(u >> 16);
-                rows[1][ml][kk] = (uint16_t)(u2 >> 16);
-                rows[2][ml][kk] = (uint16_t)((u3 + 0x7FFFu + ((u3 >> 16) & 1u)) >> 16);
-            }
+            bad |= dk_split_run(x + m * ldx + kb * DK_AMX_KB, DK_AMX_KB, parts, rows[0][ml], rows[1][ml],
+                                rows[2][ml]);
         }
         /* VNNI tile = transpose of the [row][pair] dword matrix: tile row r gathers pair r of
            every x row */
-        uint32_t *t = (uint32_t *)(xb + (mb * nkb + kb) * DK_AMX_PARTS * 512);
-        for (int p = 0; p < DK_AMX_PARTS; p++)
+        uint32_t *t = (uint32_t *)(xb + (mb * nkb + kb) * parts * 512);
+        for (int p = 0; p < parts; p++)
             for (int r = 0; r < 16; r++)
                 _mm512_storeu_si512(t + p * 256 + r * 16,
                                     _mm512_i32gather_epi32(by_row, (const int *)rows[p] + r, 4));
@@ -129,8 +116,8 @@ static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, 
     return bad == 0;
 }
 #else
-static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, uint16_t *xb) {
-    (void)mb; (void)M; (void)K; (void)x; (void)ldx; (void)xb;
+static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, int parts, uint16_t *xb) {
+    (void)mb; (void)M; (void)K; (void)x; (void)ldx; (void)parts; (void)xb;
     return 0;
 }
 #endif
@@ -143,8 +130,8 @@ static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, 
    rows at once stalled the TMUL (28 layers of Qwen3-1.7B shapes at M = 16: 253 ms; copying row
    panels first: 175 ms; next-group prefetch: 166 ms; FMA path: 304 ms; M = 1 GEMV: 112 ms).
    cacc keeps the C tiles of every m block between K chunks ((M / 16 rounded up) x 2 x 256 floats). */
-static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, const uint16_t *w,
-                         const float *bias, float *out, float *cacc) {
+DK_AI_AMX void dk_amx_group_p(const int parts, long M, long K, long N, long n0, const uint16_t *xb,
+                               const uint16_t *w, const float *bias, float *out, float *cacc) {
     long nkb = K / DK_AMX_KB, nmb = (M + DK_AMX_MB - 1) / DK_AMX_MB;
     const long ldw = 2 * K;  /* bytes between weight rows */
     const char *next = (double)N * K * 2 > DK_AMX_DIRECT_BYTES && n0 + 2 * DK_AMX_GROUP <= N
@@ -156,8 +143,8 @@ static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, co
             float *c = cacc + mb * 2 * 256;
             if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
             else { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); }
-            const uint16_t *xt = xb + (mb * nkb + k0 / DK_AMX_KB) * DK_AMX_PARTS * 512;
-            for (long kb = 0; kb < kc / DK_AMX_KB; kb++, xt += DK_AMX_PARTS * 512) {
+            const uint16_t *xt = xb + (mb * nkb + k0 / DK_AMX_KB) * parts * 512;
+            for (long kb = 0; kb < kc / DK_AMX_KB; kb++, xt += parts * 512) {
                 const uint16_t *pk = wc + kb * DK_AMX_KB;
                 if (next && mb == 0) {
                     const char *p = next + (k0 / DK_AMX_KB + kb) * (DK_AMX_GROUP * 64);
@@ -166,11 +153,11 @@ static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, co
                 _tile_loadd(2, pk, ldw);
                 _tile_loadd(3, pk + 16 * K, ldw);
                 _tile_loadd(4, xt, 64);
-                _tile_loadd(5, xt + 512, 64);
-                _tile_loadd(6, xt + 1024, 64);
+                if (parts > 1) _tile_loadd(5, xt + 512, 64);
+                if (parts > 2) _tile_loadd(6, xt + 1024, 64);
                 _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
-                _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5);
-                _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6);
+                if (parts > 1) { _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5); }
+                if (parts > 2) { _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6); }
             }
             _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
             if (k0 + kc < K) continue;
@@ -186,10 +173,17 @@ static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, co
         }
     }
 }
-#else
-static void dk_amx_group(long M, long K, long N, long n0, const uint16_t *xb, const uint16_t *w,
+/* parts as a compile-time constant in each copy */
+static void dk_amx_group(long M, long K, long N, long n0, int parts, const uint16_t *xb, const uint16_t *w,
                          const float *bias, float *out, float *cacc) {
-    (void)M; (void)K; (void)N; (void)n0; (void)xb; (void)w; (void)bias; (void)out; (void)cacc;
+    if (parts == 1) dk_amx_group_p(1, M, K, N, n0, xb, w, bias, out, cacc);
+    else if (parts == 2) dk_amx_group_p(2, M, K, N, n0, xb, w, bias, out, cacc);
+    else dk_amx_group_p(3, M, K, N, n0, xb, w, bias, out, cacc);
+}
+#else
+static void dk_amx_group(long M, long K, long N, long n0, int parts, const uint16_t *xb, const uint16_t *w,
+                         const float *bias, float *out, float *cacc) {
+    (void)M; (void)K; (void)N; (void)n0; (void)parts; (void)xb; (void)w; (void)bias; (void)out; (void)cacc;
 }
 #endif
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from support import ALL_BACKENDS, KERNEL_BACKENDS
+import dflash_kernels as dk
+from support import ALL_BACKENDS, KERNEL_CASES
 
 
 @pytest.fixture(params=ALL_BACKENDS)
@@ -10,6 +11,16 @@ def backend(request):
     return request.param
 
 
-@pytest.fixture(params=KERNEL_BACKENDS)
+@pytest.fixture(params=KERNEL_CASES)
 def kernel_backend(request):
-    return request.param
+    """A compiled backend: Cython at each ISA tier of this machine (capped with set_isa), or Numba."""
+    name, _, tier = request.param.partition("/")
+    if not tier:
+        yield name
+        return
+    dk.set_isa(tier)
+    try:
+        assert dk.kernel_module("dense", "cython").TIER == tier  # the cap really selects the tier
+        yield name
+    finally:
+        dk.set_isa(None)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import dflash_kernels as dk
+from dflash_kernels import _isa
 from dflash_kernels._tensors import bf16_to_f32, f32_to_bf16
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
@@ -31,6 +32,12 @@ TOLERANCE = {
 TOLERANCE_LONG = dict(rtol=2e-4, atol=2e-4)
 
 KERNEL_BACKENDS = [b for b in ("cython", "numba") if b in dk.available_backends()]
+# Every ISA tier this machine can run, lowest first: the Cython kernels are tested at each of them
+# through the cap (dk.set_isa), so a lower tier's code is exercised on a higher machine.
+MACHINE_TIERS = _isa.TIERS[: _isa.TIERS.index(_isa.machine_tier()) + 1] if _isa.machine_tier() else ()
+# "cython/<tier>" per tier, then "numba": what the kernel_backend fixture runs
+KERNEL_CASES = [f"cython/{t}" for t in MACHINE_TIERS if "cython" in KERNEL_BACKENDS] + \
+    [b for b in KERNEL_BACKENDS if b != "cython"]
 ALL_BACKENDS = list(dk.available_backends())
 
 

@@ -41,7 +41,7 @@ def test_bad_n_threads(n_threads):
 def test_show_config(capsys):
     dk.show_config()
     out = capsys.readouterr().out
-    assert "backend cython" in out and "cpu ISA" in out and "torch" in out
+    assert "backend cython" in out and "ISA tier: machine" in out and "torch" in out
 
 
 def test_env_backend_preference():

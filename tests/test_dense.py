@@ -101,7 +101,7 @@ def test_linear_cython_equals_numba():
 def test_linear_bf16_blocks_amx_path(m, n, k):
     # bf16 weights, M > 4, K % 32 == 0, N >= 64: the AMX tiles where the CPU has them (columns past
     # the last whole 32 by the FMA path); fp32-exact activation parts keep the FMA path's accuracy
-    from dflash_kernels._cython import dense as cdense
+    cdense = dk.kernel_module("dense", "cython")
 
     x, w, b, expect = _linear_case(m + n + k, m, n, k, "bfloat16", True)
     got = dk.linear(x, w, b, backend="cython")

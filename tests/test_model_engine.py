@@ -14,6 +14,7 @@ import pytest
 import dflash_kernels as dk
 import dflash_kernels.model as dm
 from checkpoints import ckpt_dir, special_id, write_dflash  # noqa: F401  (fixture)
+from support import MACHINE_TIERS
 
 N_PROMPTS = 20
 NEW_TOKENS = 24
@@ -300,3 +301,30 @@ def test_every_backend_same_greedy_tokens(plain, backend):
     ref = plain.generate(p, 12, num_speculative_tokens=0, ignore_eos=True).token_ids
     assert eng.generate(p, 12, num_speculative_tokens=5, ignore_eos=True).token_ids == ref
     assert eng.generate(p, 12, num_speculative_tokens=0, ignore_eos=True).token_ids == ref
+
+
+@pytest.mark.parametrize("tier", [None, *MACHINE_TIERS])
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_greedy_lossless_every_tier_and_precision(hot, tier, precision):
+    """Under each ISA cap and matmul precision, DFlash greedy == AR greedy of the same engine (the
+    bf16 checkpoint's verify rows take the AMX / FMA block paths, the AR step the GEMV path)."""
+    if tier is not None:
+        dk.set_isa(tier)
+    try:
+        eng = dm.load(hot.target_dir, hot.drafter_dir, max_len=128, n_threads=1, precision=precision)
+        assert eng.ops.precision == precision
+        accepted = 0
+        for p in prompts(6, seed=1):
+            ref = eng.generate(p, 16, num_speculative_tokens=0, ignore_eos=True).token_ids
+            for k in (4, 15):
+                res = eng.generate(p, 16, num_speculative_tokens=k, ignore_eos=True)
+                assert res.token_ids == ref, f"tier {tier} precision {precision} prompt {p} k={k}"
+                accepted += sum(res.metrics.accepted)
+        assert accepted > 0  # drafts were accepted: the verify rows decided tokens
+    finally:
+        dk.set_isa(None)
+
+
+def test_load_bad_precision(hot):
+    with pytest.raises(ValueError, match="precision must be one of highest, high, medium"):
+        dm.load(hot.target_dir, hot.drafter_dir, precision="fp8")

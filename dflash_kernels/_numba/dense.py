@@ -126,7 +126,13 @@ def _linear_impl(x, w, bias, out, n_tasks):
 _linear = (njit(**JIT)(_linear_impl), njit(parallel=True, **JIT)(_linear_impl))
 
 
-def linear(x, w, bias, out, *, n_threads):
+def linear(x, w, bias, out, *, n_threads, parts=3):
+    if parts < 3:  # the precision's activation rounding, as the reference defines it
+        import torch
+
+        from ..reference.dense import round_activations
+
+        x = round_activations(torch.from_numpy(x), parts).numpy()
     parallel = n_threads > 1 and x.shape[0] * x.shape[1] * w.shape[0] >= PARALLEL_MACS
     with numba_threads(n_threads):
         _linear[parallel](x, w, bias, out, 4 * n_threads if parallel else 1)

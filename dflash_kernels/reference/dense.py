@@ -10,8 +10,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # (M, K) @ (N, K)^T + (N,) -> (M, N)
+def round_activations(x: torch.Tensor, parts: int = 3) -> torch.Tensor:
+    """fp32 x rounded to the sum of `parts` bf16 parts (dflash_kernels/_precision.py): 3 keeps x,
+    2 = truncate to bf16 + the remainder rounded to nearest even, 1 = rounded to nearest even.
+    inf and NaN are kept."""
+    if parts >= 3:
+        return x
+    x = x.float().contiguous()
+    if parts == 1:
+        r = x.to(torch.bfloat16).float()
+    else:
+        hi = (x.view(torch.int32) & -65536).view(torch.float32)
+        r = hi + (x - hi).to(torch.bfloat16).float()
+    return torch.where(torch.isfinite(x), r, x)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           parts: int = 3) -> torch.Tensor:
+    # (M, K) @ (N, K)^T + (N,) -> (M, N), activations rounded to `parts` bf16 parts
+    x = round_activations(x, parts)
     return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 

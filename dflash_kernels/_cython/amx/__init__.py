@@ -1,0 +1,1 @@
+"""Cython kernels compiled for the amx tier (see setup.py)."""

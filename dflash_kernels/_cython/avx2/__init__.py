@@ -1,0 +1,1 @@
+"""Cython kernels compiled for the avx2 tier (see setup.py)."""

@@ -1,0 +1,1 @@
+"""Cython kernels compiled for the avx512 tier (see setup.py)."""

@@ -1,0 +1,52 @@
+"""Matmul precision, in torch's vocabulary (``torch.set_float32_matmul_precision``).
+
+Every linear layer and LM-head pass multiplies fp32 activations by fp32 or bf16 weights. The
+precision says how the activations enter the products:
+
+    "highest"  exact fp32 activations (the default)
+    "high"     each activation rounded to two bf16 parts, x1 + x2 (16 significant bits)
+    "medium"   each activation rounded to one bf16 (nearest even): what torch bf16 and vLLM bf16
+               compute
+
+The products of the rounded activations with the weights are exact and summed in fp32 on every
+backend and tier, so a precision is a rounding of the activations, not a property of a kernel:
+the AMX and vdpbf16ps paths run one bf16 operation per part, the FMA paths run on the rounded
+values. Error bounds against the float64 product of the unrounded inputs: docs/conventions.md.
+"""
+
+from __future__ import annotations
+
+PRECISIONS = {"highest": 3, "high": 2, "medium": 1}  # name -> bf16 parts per activation
+
+_default = "highest"
+
+
+def check_precision(precision, name: str = "precision") -> str:
+    """Validate a precision name (None means the process default)."""
+    if precision is None:
+        return _default
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"{name} must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}")
+    return precision
+
+
+def parts(precision) -> int:
+    """bf16 parts per activation for `precision` (None: the process default)."""
+    return PRECISIONS[check_precision(precision)]
+
+
+def set_matmul_precision(precision: str) -> str:
+    """Set the default precision of ``linear`` and ``denoise_block`` for this process.
+
+    One of "highest" (default), "high", "medium"; returns the previous one. A per-call
+    ``precision=`` overrides it.
+    """
+    global _default
+    new = check_precision(precision if precision is not None else "", "set_matmul_precision(precision)")
+    old, _default = _default, new
+    return old
+
+
+def get_matmul_precision() -> str:
+    """The default precision of ``linear`` and ``denoise_block`` (see set_matmul_precision)."""
+    return _default
