@@ -30,6 +30,32 @@ def _weights(s, n_layers: int, head: bool, rng) -> list[np.ndarray]:
     return [rng.integers(0x3C00, 0x3C80, size=shape, dtype=np.uint16) for shape in shapes]
 
 
+def model_step_gbs(shape: str, layers: int, threads: int, repeats: int = 5, head: bool = True) -> dict:
+    """linear at M=1 over a model step of DRAM-resident bf16 weights at the active tier, next to a
+    streaming read of the same bytes: {"gemv_gbs", "stream_gbs", "gb", "shape"}."""
+    import dflash_kernels as dk
+
+    dense = dk.kernel_module("dense", "cython")
+    rng = np.random.default_rng(0)
+    mats = _weights(SHAPES[shape], layers, head, rng)
+    n_bytes = sum(w.nbytes for w in mats)
+    xs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in {w.shape[1] for w in mats}}
+    outs = [np.empty((1, w.shape[0]), np.float32) for w in mats]
+
+    def step():
+        for w, o in zip(mats, outs):
+            dense.linear(xs[w.shape[1]], w, None, o, n_threads=threads)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / statistics.median(times) / 1e9,
+            "stream_gbs": stream_read_gbs(min(n_bytes, 2 << 30), threads)}
+
+
 def main(argv=None) -> int:
     import dflash_kernels as dk
 

@@ -384,12 +384,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tau-json", help="measured tau per k: {k: tau}, or the JSON of `dflash tune --out`")
     ap.add_argument("--out", help="write the results as JSON")
+    ap.add_argument("--keep", metavar="DIR", help="write the pair to DIR/target and DIR/drafter and keep it")
     args = ap.parse_args(argv)
     s = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="dflash_scale_") as tmp:
         t0 = time.time()
-        t_dir, d_dir = write_pair(Path(tmp), s)
+        t_dir, d_dir = write_pair(Path(args.keep or tmp), s)
         print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats)
     weight_bytes, kv_bytes = step_bytes(s, args.context)

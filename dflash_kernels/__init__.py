@@ -19,6 +19,7 @@ if _os.environ.get("DFLASH_ISA") and "numba" not in _sys.modules and "NUMBA_CPU_
     if _cap is not None:
         _os.environ["NUMBA_CPU_NAME"] = _isa.NUMBA_CPU[_isa.cap_tier(_cap, _isa.machine_tier()) or "avx2"]
 
+from ._autotune import tune_linear
 from ._backends import available_backends, kernel_module
 from ._config import show_config
 from ._isa import active_tier, set_isa
@@ -43,6 +44,7 @@ __all__ = [
     "kernel_module",
     "set_isa",
     "set_matmul_precision",
+    "tune_linear",
     "apply_output_gate",
     "causal_conv1d",
     "conv_state_at",

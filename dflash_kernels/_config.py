@@ -38,6 +38,11 @@ def tier_lines() -> list[str]:
         lines.append(f"linear bf16 weights, M={rows} ({what}): "
                      + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
     lines.append(f"linear fp32 weights, M=16: {dense.path_name(16, 4096, 4096, False, parts)}")
+    from ._autotune import cache_file, delegated_entries
+
+    entries = sorted(delegated_entries(default_threads()))
+    lines.append(f"linear shapes delegated to torch here (tune_linear / dflash tune-kernels, {cache_file()}): "
+                 + (", ".join(entries) if entries else "none"))
     lines.append(f"attention, denoise_block, norms, RoPE, linear attention: {dense.TIER} vectors "
                  f"({'16' if dense.TIER != 'avx2' else '8'}-float FMA where the compiler vectorises)")
     return lines

@@ -6,7 +6,10 @@ import math
 
 import numpy as np
 
+from ._autotune import delegates, torch_linear
+from ._backends import resolve
 from ._dispatch import run
+from ._threads import resolve_threads
 from ._precision import parts as precision_parts
 from ._tensors import dtype_name, f32_array, float_array, index_array, is_torch, wrap
 
@@ -32,6 +35,7 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
     weights are fine). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
     precision: "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two
     or one bf16 parts, see ``set_matmul_precision``); None = the process default.
+    With backend="auto", shapes that ``tune_linear`` measured faster in torch here run in torch.
     NaN / inf in the inputs propagate as in IEEE arithmetic.
     """
     parts = precision_parts(precision)
@@ -54,7 +58,11 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
     if out.size and k == 0:  # an empty sum: only the bias is left
         out[...] = 0.0 if b is None else b
     elif out.size:
-        run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads, parts=parts)
+        if backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \
+                and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, resolve_threads(n_threads)):
+            torch_linear(x2, w, b, parts, out, resolve_threads(n_threads))  # measured faster here
+        else:
+            run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads, parts=parts)
     return wrap(out.reshape(*lead, n), is_torch(x))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 import dflash_kernels as dk
 from dflash_kernels import linear_attention as _la
+from dflash_kernels._autotune import delegates, torch_linear
 from dflash_kernels._backends import resolve
 from dflash_kernels._precision import check_precision, parts as precision_parts
 from dflash_kernels._threads import resolve_threads
@@ -53,6 +54,8 @@ class Ops:
         # public path.
         name = self.kw["backend"]
         self._dense = dk.kernel_module("dense", name) if name in ("cython", "numba") else None
+        self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
+        self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
         # bf16 LM-head blocks: linear + argmax beats denoise_block's FMA tiles where linear runs
         # them on AMX tiles or vdpbf16ps
@@ -67,13 +70,18 @@ class Ops:
         return out
 
     def _matmul(self, x, w):
+        self.linear_shapes.update((p.shape[0], p.shape[1]) for p in (w if isinstance(w, tuple) else (w,)))
         if isinstance(w, tuple):
             out = np.concatenate([dk.linear(x, part, precision=self.precision, **self.kw) for part in w],
                                  axis=-1)
         elif (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
               and x.shape[1] == w.shape[1] and x.size and w.size):
             out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
+            if self._auto and delegates(x.shape[0], w.shape[0], w.shape[1], w.dtype == np.uint16, self._parts,
+                                        self._n):
+                torch_linear(x, w, None, self._parts, out, self._n)  # measured faster here (tune-kernels)
+            else:
+                self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
         else:
             out = dk.linear(x, w, precision=self.precision, **self.kw)
         return out

@@ -99,6 +99,26 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_tune_kernels(args) -> int:
+    """Run the model briefly to learn its matmul shapes, then time ours against torch on each."""
+    import dflash_kernels as dk
+    from dflash_kernels._autotune import cache_file
+
+    gen = _load(args)
+    gen.generate("def main():", 8, num_speculative_tokens=None if gen.drafter else 0, ignore_eos=True)
+    shapes = sorted(gen.ops.linear_shapes)
+    block = gen.drafter.cfg.block_size if gen.drafter is not None else 16
+    rows = dk.tune_linear(shapes, m_values=(1, block), precision=args.precision, n_threads=args.threads,
+                          rounds=args.rounds)
+    print("| case | ours (ms) | torch (ms) | runs |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['entry']} | {r['ours_s'] * 1e3:.3f} | {r['torch_s'] * 1e3:.3f} | "
+              f"{'torch' if r['torch_wins'] else 'ours'} |")
+    n = sum(r["torch_wins"] for r in rows)
+    print(f"{n} of {len(rows)} cases delegated to torch; stored in {cache_file()}", file=sys.stderr)
+    return 0
+
+
 def cmd_validate(args) -> int:
     from dflash_kernels.validate import validate
 
@@ -182,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true", help="do not store the tuned k beside the drafter")
     p.add_argument("--out", help="also write the sweep as JSON (bench/scale.py --tau-json reads it)")
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("tune-kernels", help="time linear against torch at the model's shapes; torch runs the "
+                                            "shapes it wins (per machine, tier, threads)")
+    _add_model_args(p)
+    p.add_argument("--rounds", type=int, default=7)
+    p.set_defaults(func=cmd_tune_kernels)
 
     p = sub.add_parser("validate", help="run every kernel against the torch reference on this machine")
     p.add_argument("--seed", type=int, default=0)

@@ -25,9 +25,10 @@ cdef extern from "dk_dense.h" nogil:
     void dk_pair_x(long M, long K, const float *x, float *xp2)
     void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
                          const float *xp2, const void *w, const float *bias, float *out)
-    void dk_group_chunked(long m0, long mb, long K, long N, long n0, long nr, int bf16,
-                          const float *x, long ldx, const void *w, const float *bias, float *out,
-                          float *wbuf, float *accbuf)
+    int DK_FB_NB
+    long dk_fma_accbuf_floats()
+    void dk_fma_block(long M, long K, long N, long nlo, long nhi, int bf16, const float *x, long ldx,
+                      const void *w, const float *bias, float *out, float *wbuf, float *accbuf)
     void dk_silu_mul_row(const float *g, const float *u, float *o, long n)
     float dk_peak_fma(long iters)
     void dk_rms_norm_row(const float *x, const float *res, const float *w, float offset, float eps,
@@ -262,7 +263,7 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
     cdef float *xp2
     cdef float *xr = NULL
     cdef float *xpad
-    cdef Py_ssize_t ldx, m
+    cdef Py_ssize_t ldx, m, n_lo
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
     cdef Py_ssize_t g0 = 0  # first column group left to the FMA paths
     if bf16 and parts < 3 and _dp_pays < 0:
@@ -301,26 +302,22 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
                 dk_group_direct(M, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xp, xp2, wp, bp, op)
             free(xp2)
             return
-        # Compute bound: blocks of DK_MB rows; inside a block, weight row groups split over threads.
-        # x is copied once with a padded row stride (see dk_group_chunked): (M, ldx); ldx = K rounded
-        # up to 16 floats plus 16, so a 4 KiB-multiple row stride (K = 1024, 4096, ...) gets 64 bytes
-        # more.
+        # Compute bound: blocks of DK_FB_NB weight rows split over threads (dk_fma_block). x is copied
+        # once with a padded row stride: (M, ldx); ldx = K rounded up to 16 floats plus 16, so a
+        # 4 KiB-multiple row stride (K = 1024, 4096, ...) gets 64 bytes more.
         ldx = (K + 15) // 16 * 16 + 16
         xpad = <float *> malloc(M * ldx * sizeof(float))
         if xpad == NULL:
             raise MemoryError()
         for m in range(M):
             memcpy(&xpad[m * ldx], &xp[m * K], K * sizeof(float))
+        n_lo = g0 * DK_NR  # columns an AMX call left (N % 32), else 0
         with nogil, parallel(num_threads=nt):
-            wbuf = <float *> malloc(DK_NR * DK_KC * sizeof(float))
-            accbuf = <float *> malloc(DK_MB * DK_NR * DK_VW * sizeof(float))
-            for b in range((M + DK_MB - 1) // DK_MB):
-                m0 = b * DK_MB
-                mb = min(<Py_ssize_t> DK_MB, M - m0)
-                for g in prange(g0, ngroups, schedule="dynamic", chunksize=4):
-                    n0 = g * DK_NR
-                    dk_group_chunked(m0, mb, K, N, n0, min(<Py_ssize_t> DK_NR, N - n0), bf16, xpad, ldx,
-                                     wp, bp, op, wbuf, accbuf)
+            wbuf = <float *> aligned_alloc(64, DK_NR * DK_KC * sizeof(float))
+            accbuf = <float *> aligned_alloc(64, dk_fma_accbuf_floats() * sizeof(float))
+            for b in prange((N - n_lo + DK_FB_NB - 1) // DK_FB_NB, schedule="dynamic"):
+                dk_fma_block(M, K, N, n_lo + b * DK_FB_NB, min(N, n_lo + (b + 1) * DK_FB_NB), bf16, xpad, ldx,
+                             wp, bp, op, wbuf, accbuf)
             free(wbuf)
             free(accbuf)
         free(xpad)

@@ -1,0 +1,178 @@
+"""Every ISA tier of this machine against torch at the same tier: one table per tier.
+
+For each tier the machine has, a worker process runs with our cap (DFLASH_ISA) and torch's
+(ONEDNN_MAX_CPU_ISA for bf16 matmul and SDPA, MKL_ENABLE_INSTRUCTIONS for fp32 matmul) at that tier,
+so both sides may use the same instructions. Contenders alternate round by round and the medians are
+compared, all at the same thread count:
+
+- peak: register-only FMA and vdpbf16ps loops (dense.peak_gflops), the ceiling for the others;
+- linear M=16 (a verification block) at Qwen3-8B and Qwen3-1.7B projection shapes, bf16 weights:
+  "medium" against torch bf16 F.linear, "highest" against torch fp32 F.linear on fp32 weights;
+- linear M=16 at small shapes, "highest", fp32 weights, against torch fp32;
+- linear M=1 over a model step of DRAM-resident bf16 weights, against a streaming read;
+- attention, 16 queries over 4096 keys, 32/8 heads x 128, fp32 and bf16 K/V, against SDPA.
+
+    python bench/tiers.py --threads 2 [--tiers avx2,amx] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+MKL_ISA = {"avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512", "amx": "AVX512"}
+
+# (label, N, K) of the weights: Qwen3-8B q_proj / up_proj / down_proj and Qwen3-1.7B fused qkv /
+# gate_up / down
+BLOCK_SHAPES = [("8B q_proj", 4096, 4096), ("8B up_proj", 12288, 4096), ("8B down_proj", 4096, 12288),
+                ("1.7B qkv", 4096, 2048), ("1.7B gate_up", 12288, 2048), ("1.7B down", 2048, 6144)]
+SMALL_SHAPES = [("256x256", 256, 256), ("768x256", 768, 256)]
+
+
+def _median_interleaved(fns: dict, rounds: int, inner: int = 1) -> dict:
+    """Median seconds per call of each contender, the contenders alternating round by round."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[k].append((time.perf_counter() - t) / inner)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def worker(tier: str, threads: int, rounds: int) -> dict:
+    import numpy as np
+    import torch
+
+    import dflash_kernels as dk
+
+    torch.set_num_threads(threads)
+    dense = dk.kernel_module("dense", "cython")
+    assert dense.TIER == tier, (dense.TIER, tier)
+    res = {"tier": tier, "threads": threads, "cpu": dk._isa.cpu_model()}
+    res["peak_fma"] = dense.peak_gflops("fma", threads, 0.3)
+    res["peak_bf16dot"] = dense.peak_gflops("bf16dot", threads, 0.3)
+    res["bf16dot_taken"] = bool(dense.bf16dot_pays())
+    rng = np.random.default_rng(0)
+    rows = []
+    for label, n, k in BLOCK_SHAPES + SMALL_SHAPES:
+        small = (label, n, k) in SMALL_SHAPES
+        x = rng.standard_normal((16, k)).astype(np.float32)
+        wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        wt = torch.from_numpy(wf)
+        wb = wt.bfloat16()
+        wb_np = wb.view(torch.int16).numpy().view(np.uint16)
+        xt = torch.from_numpy(x)
+        out = np.empty((16, n), np.float32)
+        fns = {"torch fp32": lambda: torch.nn.functional.linear(xt, wt),
+               "ours highest (fp32 w)": lambda: dense.linear(x, wf, None, out, n_threads=threads, parts=3)}
+        if not small:
+            fns.update({
+                "torch bf16": lambda: torch.nn.functional.linear(xt.bfloat16(), wb),
+                "ours medium": lambda: dense.linear(x, wb_np, None, out, n_threads=threads, parts=1),
+                "ours highest": lambda: dense.linear(x, wb_np, None, out, n_threads=threads, parts=3),
+            })
+        t = _median_interleaved(fns, rounds, inner=20 if small else 1)
+        rows.append({"shape": label, "N": n, "K": k, "flops": 2 * 16 * n * k,
+                     "path_medium": dense.path_name(16, k, n, True, 1),
+                     "path_highest": dense.path_name(16, k, n, True, 3),
+                     "path_fp32": dense.path_name(16, k, n, False, 3), **t})
+    res["linear16"] = rows
+    # M=1 from DRAM: bench/linear_dram.py's model step (Qwen3-1.7B, 28 layers + head) and stream read
+    sys.path.insert(0, str(HERE))
+    from linear_dram import model_step_gbs
+
+    res["dram"] = model_step_gbs("Qwen3-1.7B", 28, threads, repeats=max(3, rounds // 2))
+    # attention: 16 queries (a block) over 4096 keys, 32/8 heads x 128
+    q = torch.randn(16, 32, 128)
+    att = []
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v = torch.randn(4096, 8, 128).to(dtype), torch.randn(4096, 8, 128).to(dtype)
+        qd = q.to(dtype)
+        mask = torch.ones(16, 4096, dtype=torch.bool).tril(4096 - 16)  # bottom-right causal
+        qh, kh, vh = (a.transpose(0, 1).unsqueeze(0) for a in (qd, k, v))
+
+        def sdpa(qh=qh, kh=kh, vh=vh, mask=mask):
+            return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+
+        t = _median_interleaved({"sdpa": sdpa,
+                                 "ours": lambda k=k, v=v: dk.cached_attention(q, k, v, causal=True,
+                                                                              n_threads=threads)}, rounds)
+        att.append({"kv": str(dtype).replace("torch.", ""), **t})
+    res["attention"] = att
+    return res
+
+
+def _table(r: dict) -> str:
+    peak = r["peak_fma"]
+    lines = [f"### Tier `{r['tier']}` ({r['cpu']}, {r['threads']} threads)", "",
+             f"Register-only peaks: FMA {peak:.0f} GFLOP/s, vdpbf16ps {r['peak_bf16dot']:.0f} GFLOP/s "
+             f"(bf16dot path {'taken' if r['bf16dot_taken'] else 'not taken: FMA is faster here'}).", "",
+             "| linear M=16 | medium: ours / torch bf16 (ms) | ratio | path | highest: ours / torch fp32 (ms) "
+             "| ratio | % FMA peak | path |",
+             "|---|---|---|---|---|---|---|---|"]
+    for x in r["linear16"]:
+        hi = x.get("ours highest", x["ours highest (fp32 w)"])
+        gf = x["flops"] / hi / 1e9
+        med = (f"{x['ours medium'] * 1e3:.2f} / {x['torch bf16'] * 1e3:.2f} | "
+               f"**{x['torch bf16'] / x['ours medium']:.2f}x** | {x['path_medium']}") if "ours medium" in x \
+            else "- | - | -"
+        path_hi = x["path_highest"] if "ours highest" in x else x["path_fp32"] + " (fp32 w)"
+        lines.append(f"| {x['shape']} ({x['N']}x{x['K']}) | {med} | {hi * 1e3:.3f} / {x['torch fp32'] * 1e3:.3f} | "
+                     f"**{x['torch fp32'] / hi:.2f}x** | {100 * gf / peak:.0f}% | {path_hi} |")
+    d = r["dram"]
+    lines += ["", f"linear M=1 from DRAM ({d['shape']}, {d['gb']:.2f} GB of bf16 weights): "
+                  f"{d['gemv_gbs']:.1f} GB/s against a streaming read of {d['stream_gbs']:.1f} GB/s: "
+                  f"**{100 * d['gemv_gbs'] / d['stream_gbs']:.0f}%**", "",
+              "| attention 16 q x 4096 keys, 32/8 x 128 | ours (ms) | SDPA (ms) | ratio |", "|---|---|---|---|"]
+    for a in r["attention"]:
+        lines.append(f"| {a['kv']} K/V | {a['ours'] * 1e3:.2f} | {a['sdpa'] * 1e3:.2f} | "
+                     f"**{a['sdpa'] / a['ours']:.2f}x** |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--tiers", default=None, help="comma-separated (default: every tier this machine has)")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.threads, args.rounds)))
+        return 0
+    from dflash_kernels import _isa
+
+    machine = _isa.machine_tier()
+    tiers = args.tiers.split(",") if args.tiers else list(_isa.TIERS[: _isa.TIERS.index(machine) + 1])
+    results = []
+    for tier in tiers:
+        env = dict(os.environ, DFLASH_ISA=tier, ONEDNN_MAX_CPU_ISA=_isa.ONEDNN_ISA[tier],
+                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[tier], DFLASH_NUM_THREADS=str(args.threads),
+                   OMP_NUM_THREADS=str(args.threads))
+        out = subprocess.run([sys.executable, __file__, "--worker", tier, "--threads", str(args.threads),
+                              "--rounds", str(args.rounds)], env=env, capture_output=True, text=True)
+        if out.returncode:
+            print(out.stderr, file=sys.stderr)
+            return out.returncode
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        results.append(r)
+        print(_table(r) + "\n", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
