@@ -310,12 +310,12 @@ def _rewinder(cache, base: int):
 
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
-            rollback=(15, 6)) -> dict:
+            rollback=(15, 6), precision=None) -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
     after a k-draft verification (the Gated DeltaNet state restore), None to skip."""
     from dflash_kernels.model import load
 
-    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64)
+    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision)
     tgt, dr = eng.target, eng.drafter
     cache, ctx = tgt.new_cache(context + 64), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
@@ -384,15 +384,33 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tau-json", help="measured tau per k: {k: tau}, or the JSON of `dflash tune --out`")
     ap.add_argument("--out", help="write the results as JSON")
-    ap.add_argument("--keep", metavar="DIR", help="write the pair to DIR/target and DIR/drafter and keep it")
+    ap.add_argument("--keep", metavar="DIR", help="write the pair to DIR/target and DIR/drafter and keep it "
+                                                  "(reused when DIR already holds one)")
+    ap.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
+    ap.add_argument("--isa", default=None, help="cap the ISA tier (as DFLASH_ISA)")
+    ap.add_argument("--ks", default="1-15", help="k values: a range a-b or a comma list (default 1-15)")
     args = ap.parse_args(argv)
+    if args.isa:
+        import dflash_kernels as dk
+
+        dk.set_isa(args.isa)
+    ks = (range(int(args.ks.split("-")[0]), int(args.ks.split("-")[1]) + 1) if "-" in args.ks
+          else [int(k) for k in args.ks.split(",")])
     s = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="dflash_scale_") as tmp:
         t0 = time.time()
-        t_dir, d_dir = write_pair(Path(args.keep or tmp), s)
-        print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
-        res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats)
+        root = Path(args.keep or tmp)
+        if (root / "target" / "config.json").exists() and (root / "drafter" / "config.json").exists():
+            t_dir, d_dir = root / "target", root / "drafter"
+        else:
+            t_dir, d_dir = write_pair(root, s)
+            print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
+        res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
+                      precision=args.precision)
+        import dflash_kernels as dk
+
+        res.update(tier=dk.active_tier(), precision=args.precision)
     weight_bytes, kv_bytes = step_bytes(s, args.context)
     gbs = stream_read_gbs(min(weight_bytes, 2 << 30), args.threads)
     res.update(shape=s.name, threads=args.threads, step_weight_bytes=weight_bytes, kv_bytes=kv_bytes,
@@ -405,6 +423,7 @@ def main(argv=None) -> int:
             taus = {s_["k"]: s_["tau"] for s_ in taus["sweep"]}
         res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
+    print(f"tier {res['tier']}, precision {res['precision']}")
     print(f"{s.name}: T_ar {res['t_ar_s'] * 1e3:.1f} ms, roofline {res['roofline_step_s'] * 1e3:.1f} ms "
           f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s")
     print("| k | T_draft ms | T_verify ms | T_accept ms | verify/AR | projected (tau 6.93 at 15) | projected (measured tau) |")
