@@ -186,4 +186,16 @@ def concat_rows(*weights: np.ndarray, fuse: bool = True):
         return tuple(ws)
     if len({w.dtype for w in ws}) > 1:
         ws = [as_f32(w) for w in ws]
-    return np.concatenate(ws, axis=0)
+    out = aligned_empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].dtype)
+    return np.concatenate(ws, axis=0, out=out)
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on an `align`-byte boundary: AMX tile loads of
+    weight rows that straddle cache lines cost up to 20% (dflash_kernels' dk_amx.h), and numpy
+    only guarantees 16 bytes."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n].view(dtype).reshape(shape)

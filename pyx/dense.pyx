@@ -55,8 +55,11 @@ cdef extern from "dk_amx.h" nogil:
     void dk_amx_end()
     long dk_amx_xsize(long M, long K, int parts)
     int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, int parts, unsigned short *xb)
+    long dk_amx_head(const unsigned short *w)
+    void dk_amx_permute_x(long M, long K, long h, const float *x, float *xp)
     void dk_amx_group(long M, long K, long N, long n0, int parts, const unsigned short *xb,
-                      const unsigned short *w, const float *bias, float *out, float *cacc)
+                      const unsigned short *w, const float *bias, float *out, float *cacc,
+                      unsigned short *w0)
 
 cdef extern from *:
     """
@@ -192,23 +195,36 @@ cdef int _linear_amx(const float *xp, const unsigned short *wp, const float *bp,
     cdef Py_ssize_t g, m, finite = 0
     cdef unsigned short *xb
     cdef Py_ssize_t nmb = (M + DK_AMX_MB - 1) // DK_AMX_MB
+    cdef Py_ssize_t h = dk_amx_head(wp)
+    cdef float *xperm = NULL
     xb = <unsigned short *> malloc(dk_amx_xsize(M, K, parts) * sizeof(unsigned short))
     if xb == NULL:
         return 0
+    if h:  # weights off a 64-byte boundary: K steps start at it (dk_amx.h), x packed to match
+        xperm = <float *> malloc(M * K * sizeof(float))
+        if xperm == NULL:
+            free(xb)
+            return 0
+        dk_amx_permute_x(M, K, h, xp, xperm)
+        xp = xperm
     for m in prange(nmb, nogil=True, num_threads=min(nt, nmb)):
         finite += dk_amx_pack_block(m, M, K, xp, K, parts, xb)
+    free(xperm)
     if finite != nmb:  # inf / NaN in x
         free(xb)
         return 0
     cdef float *cacc
+    cdef unsigned short *w0
     with nogil, parallel(num_threads=nt):
         cacc = <float *> malloc(nmb * 2 * 256 * sizeof(float))
+        w0 = <unsigned short *> aligned_alloc(64, DK_AMX_GROUP * DK_AMX_KB * sizeof(unsigned short))
         dk_amx_begin()
-        # static: a contiguous run of groups per thread, so the group prefetched next is its own
+        # static: a contiguous run of groups per thread, one stream for the hardware prefetchers
         for g in prange(N // DK_AMX_GROUP, schedule="static"):
-            dk_amx_group(M, K, N, g * DK_AMX_GROUP, parts, xb, wp, bp, op, cacc)
+            dk_amx_group(M, K, N, g * DK_AMX_GROUP, parts, xb, wp, bp, op, cacc, w0)
         dk_amx_end()
         free(cacc)
+        free(w0)
     free(xb)
     return N // DK_AMX_GROUP * DK_AMX_GROUP
 

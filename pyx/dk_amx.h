@@ -30,9 +30,6 @@
 #define DK_AMX_KB 32     /* K per tile step */
 #define DK_AMX_MB 16     /* x rows per tile */
 #define DK_AMX_PARTS 3   /* at most */
-#ifndef DK_AMX_DIRECT_BYTES
-#define DK_AMX_DIRECT_BYTES (4 << 20)  /* bigger weight matrices: prefetch the next group */
-#endif
 #ifndef DK_AMX_KC
 #define DK_AMX_KC 512    /* K chunk: its 32 x 512 bf16 weights (32 KiB) serve every m block from L1/L2 */
 #endif
@@ -84,6 +81,25 @@ static long dk_amx_xsize(long M, long K, int parts) {
     return nmb * (K / DK_AMX_KB) * parts * 16 * 32;
 }
 
+/* Elements from a row start to the next 64-byte boundary (0 when aligned; rows are 2K bytes apart,
+   a multiple of 64, so every row has the same offset). */
+static long dk_amx_head(const uint16_t *w) {
+    uintptr_t a = (uintptr_t)w;
+    return a % 2 ? 0 : (long)((64 - a % 64) % 64 / 2);
+}
+
+/* xp = x with its columns in the K-step order of dk_amx_group for weights whose rows start h
+   elements before a 64-byte boundary: [0, h) and [K - 32 + h, K) first, then [h, K - 32 + h). */
+static void dk_amx_permute_x(long M, long K, long h, const float *x, float *xp) {
+    for (long i = 0; i < M; i++) {
+        const float *xr = x + i * K;
+        float *o = xp + i * K;
+        memcpy(o, xr, h * sizeof(float));
+        memcpy(o + h, xr + K - (DK_AMX_KB - h), (DK_AMX_KB - h) * sizeof(float));
+        memcpy(o + DK_AMX_KB, xr + h, (K - DK_AMX_KB) * sizeof(float));
+    }
+}
+
 #if DK_AMX_BUILT
 /* Pack m block mb (rows 16 mb .. 16 mb + 15, zeros past M) of x (M, K), row stride ldx, into xb as
    `parts` parts. Returns 0 when those rows hold inf or NaN: the parts of inf are NaN, so the caller
@@ -124,34 +140,49 @@ static int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, 
 
 #if DK_AMX_BUILT
 /* out[:, n0 : n0 + 32] = x w[n0 : n0 + 32]^T + bias, all M rows; w bf16 (N, K), K % 32 == 0.
-   Weights are tile-loaded in place. Big (DRAM-resident) matrices: the caller gives each thread a
-   contiguous run of groups, and while a group computes, the next group's 32 x K block (contiguous
-   in memory) is prefetched into L2, one 2 KiB slice per K step. Tile loads straight from 64 DRAM
-   rows at once stalled the TMUL (28 layers of Qwen3-1.7B shapes at M = 16: 253 ms; copying row
-   panels first: 175 ms; next-group prefetch: 166 ms; FMA path: 304 ms; M = 1 GEMV: 112 ms).
-   cacc keeps the C tiles of every m block between K chunks ((M / 16 rounded up) x 2 x 256 floats). */
+   Weights are tile-loaded in place; the caller gives each thread a contiguous run of groups, so
+   each thread streams one region of the matrix and the hardware prefetchers follow it. An earlier
+   software prefetch of the next group's block (32 x K, 2 KiB per K step) cost 5-75% from DRAM once
+   measured per shape (M = 16, "medium", 2 threads, Xeon: 4096 x 12288 18.7 -> 30.4 GB/s of weights,
+   4096 x 4096 25.6 -> 29.9, 151936 x 1024 23.0 -> 25.9; "highest" 12288-wide 15.0 -> 26.5).
+   cacc keeps the C tiles of every m block between K chunks ((M / 16 rounded up) x 2 x 256 floats).
+
+   Alignment: a tile row load that straddles two cache lines costs ~25-40% (weights 8, 16 or 32
+   bytes past a 64-byte boundary: M = 16, 6144 x 2048, 2 threads: 0.49 vs 0.61-0.63 ms), and
+   safetensors places tensors 8 bytes past one. So the K steps start at the first 64-byte boundary
+   of the rows, h = dk_amx_head(w) elements in: K step 0 holds the h head elements and the 32 - h
+   tail elements of each row, copied into w0 (32 rows x 64 bytes, aligned) per group; step s >= 1
+   reads elements h + 32 (s - 1) .. in place. The activations are packed in the same order
+   (dk_amx_permute_x). */
 DK_AI_AMX void dk_amx_group_p(const int parts, long M, long K, long N, long n0, const uint16_t *xb,
-                               const uint16_t *w, const float *bias, float *out, float *cacc) {
+                               const uint16_t *w, const float *bias, float *out, float *cacc, uint16_t *w0) {
     long nkb = K / DK_AMX_KB, nmb = (M + DK_AMX_MB - 1) / DK_AMX_MB;
     const long ldw = 2 * K;  /* bytes between weight rows */
-    const char *next = (double)N * K * 2 > DK_AMX_DIRECT_BYTES && n0 + 2 * DK_AMX_GROUP <= N
-        ? (const char *)(w + (n0 + DK_AMX_GROUP) * K) : NULL;
+    const long h = dk_amx_head(w);
+    const uint16_t *wg = w + n0 * K + (h ? h - DK_AMX_KB : 0);  /* + 32 s: K step s >= 1 */
+    (void)N;
+    if (h)  /* element k < h of a row is its head element k, element k >= h its element K - 32 + k */
+        for (int r = 0; r < DK_AMX_GROUP; r++) {
+            const uint16_t *row = w + (n0 + r) * K;
+            for (int k = 0; k < DK_AMX_KB; k++) w0[r * DK_AMX_KB + k] = row[k < h ? k : K - DK_AMX_KB + k];
+        }
     for (long k0 = 0; k0 < K; k0 += DK_AMX_KC) {
         long kc = K - k0 < DK_AMX_KC ? K - k0 : DK_AMX_KC;
-        const uint16_t *wc = w + n0 * K + k0;
+        const uint16_t *wc = wg + k0;
         for (long mb = 0; mb < nmb; mb++) {
             float *c = cacc + mb * 2 * 256;
             if (k0 == 0) { _tile_zero(0); _tile_zero(1); }
             else { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); }
             const uint16_t *xt = xb + (mb * nkb + k0 / DK_AMX_KB) * parts * 512;
             for (long kb = 0; kb < kc / DK_AMX_KB; kb++, xt += parts * 512) {
-                const uint16_t *pk = wc + kb * DK_AMX_KB;
-                if (next && mb == 0) {
-                    const char *p = next + (k0 / DK_AMX_KB + kb) * (DK_AMX_GROUP * 64);
-                    for (int b = 0; b < DK_AMX_GROUP * 64; b += 64) __builtin_prefetch(p + b, 0, 2);
+                if (h && k0 == 0 && kb == 0) {  /* head + tail, from the aligned copy */
+                    _tile_loadd(2, w0, 64);
+                    _tile_loadd(3, w0 + 16 * DK_AMX_KB, 64);
+                } else {
+                    const uint16_t *pk = wc + kb * DK_AMX_KB;
+                    _tile_loadd(2, pk, ldw);
+                    _tile_loadd(3, pk + 16 * K, ldw);
                 }
-                _tile_loadd(2, pk, ldw);
-                _tile_loadd(3, pk + 16 * K, ldw);
                 _tile_loadd(4, xt, 64);
                 if (parts > 1) _tile_loadd(5, xt + 512, 64);
                 if (parts > 2) _tile_loadd(6, xt + 1024, 64);
@@ -175,15 +206,16 @@ DK_AI_AMX void dk_amx_group_p(const int parts, long M, long K, long N, long n0, 
 }
 /* parts as a compile-time constant in each copy */
 static void dk_amx_group(long M, long K, long N, long n0, int parts, const uint16_t *xb, const uint16_t *w,
-                         const float *bias, float *out, float *cacc) {
-    if (parts == 1) dk_amx_group_p(1, M, K, N, n0, xb, w, bias, out, cacc);
-    else if (parts == 2) dk_amx_group_p(2, M, K, N, n0, xb, w, bias, out, cacc);
-    else dk_amx_group_p(3, M, K, N, n0, xb, w, bias, out, cacc);
+                         const float *bias, float *out, float *cacc, uint16_t *w0) {
+    if (parts == 1) dk_amx_group_p(1, M, K, N, n0, xb, w, bias, out, cacc, w0);
+    else if (parts == 2) dk_amx_group_p(2, M, K, N, n0, xb, w, bias, out, cacc, w0);
+    else dk_amx_group_p(3, M, K, N, n0, xb, w, bias, out, cacc, w0);
 }
 #else
 static void dk_amx_group(long M, long K, long N, long n0, int parts, const uint16_t *xb, const uint16_t *w,
-                         const float *bias, float *out, float *cacc) {
+                         const float *bias, float *out, float *cacc, uint16_t *w0) {
     (void)M; (void)K; (void)N; (void)n0; (void)parts; (void)xb; (void)w; (void)bias; (void)out; (void)cacc;
+    (void)w0;
 }
 #endif
 

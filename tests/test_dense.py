@@ -311,3 +311,24 @@ def test_small_ops_cython_equals_numba():
     np.testing.assert_array_equal(r_c, r_n)  # x + residual: one rounding, identical
     for a, b, what in [(n_c, n_n, "rms_norm"), (rope_c, rope_n, "rope"), (silu_c, silu_n, "silu_and_mul")]:
         assert_close(a, b, **TOLERANCE["float32"], what=f"cython vs numba {what}")
+
+
+@pytest.mark.parametrize("offset_bytes", [0, 2, 8, 16, 48, 62])
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_linear_bf16_weights_off_a_cache_line(offset_bytes, precision):
+    """Weights that start off a 64-byte boundary (safetensors puts tensors 8 bytes past one): the
+    AMX path's K steps start at the boundary and the head + tail elements form one step of their
+    own (pyx/dk_amx.h); every other path reads in place. All equal the reference."""
+    rng = np.random.default_rng(offset_bytes)
+    m, n, k = 20, 96, 256
+    buf = make_float(rng, n * k + 64, "bfloat16")
+    start = (-buf.ctypes.data % 64 + offset_bytes) // 2
+    w = buf[start:start + n * k].reshape(n, k)
+    assert w.ctypes.data % 64 == offset_bytes
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    from dflash_kernels.reference.dense import round_activations
+
+    xr = round_activations(torch.from_numpy(x), {"highest": 3, "medium": 1}[precision]).double()
+    expect = (xr @ as_f64(w).T).numpy()
+    got = dk.linear(x, w, precision=precision, backend="cython")
+    assert_close(got, expect, **TOLERANCE_LONG, what=f"offset {offset_bytes} {precision}")
