@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scale import SHAPES, stream_read_gbs  # noqa: E402
+from scale import SHAPES, _median, stream_read_gbs  # noqa: E402
 
 
 def _weights(s, n_layers: int, head: bool, rng) -> list[np.ndarray]:
@@ -46,13 +46,7 @@ def model_step_gbs(shape: str, layers: int, threads: int, repeats: int = 5, head
         for w, o in zip(mats, outs):
             dense.linear(xs[w.shape[1]], w, None, o, n_threads=threads)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / statistics.median(times) / 1e9,
+    return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / _median(step, repeats) / 1e9,
             "stream_gbs": stream_read_gbs(min(n_bytes, 2 << 30), threads)}
 
 

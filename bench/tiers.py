@@ -75,13 +75,16 @@ def worker(tier: str, threads: int, rounds: int) -> dict:
         wb_np = wb.view(torch.int16).numpy().view(np.uint16)
         xt = torch.from_numpy(x)
         out = np.empty((16, n), np.float32)
-        fns = {"torch fp32": lambda: torch.nn.functional.linear(xt, wt),
-               "ours highest (fp32 w)": lambda: dense.linear(x, wf, None, out, n_threads=threads, parts=3)}
+        a = dict(x=x, xt=xt, wt=wt, wf=wf, wb=wb, wb_np=wb_np, out=out)  # this shape's operands
+        fns = {"torch fp32": lambda a=a: torch.nn.functional.linear(a["xt"], a["wt"]),
+               "ours highest (fp32 w)": lambda a=a: dense.linear(a["x"], a["wf"], None, a["out"], n_threads=threads,
+                                                                 parts=3)}
         if not small:
             fns.update({
-                "torch bf16": lambda: torch.nn.functional.linear(xt.bfloat16(), wb),
-                "ours medium": lambda: dense.linear(x, wb_np, None, out, n_threads=threads, parts=1),
-                "ours highest": lambda: dense.linear(x, wb_np, None, out, n_threads=threads, parts=3),
+                "torch bf16": lambda a=a: torch.nn.functional.linear(a["xt"].bfloat16(), a["wb"]),
+                "ours medium": lambda a=a: dense.linear(a["x"], a["wb_np"], None, a["out"], n_threads=threads, parts=1),
+                "ours highest": lambda a=a: dense.linear(a["x"], a["wb_np"], None, a["out"], n_threads=threads,
+                                                         parts=3),
             })
         t = _median_interleaved(fns, rounds, inner=20 if small else 1)
         rows.append({"shape": label, "N": n, "K": k, "flops": 2 * 16 * n * k,

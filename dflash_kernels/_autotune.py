@@ -21,7 +21,7 @@ import json
 import os
 import statistics
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,7 @@ def _entry(m: int, n: int, k: int, bf16: bool, parts: int) -> str:
     return f"M{m_bucket(m)} N{n} K{k} {'bf16' if bf16 else 'fp32'} p{parts}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _delegated_set(key: str, stamp: float) -> frozenset[str]:
     try:
         data = json.loads(cache_file().read_text())
@@ -132,8 +132,8 @@ def tune_linear(shapes, *, m_values=(1, 16), precision=None, n_threads=None, rou
                 bf16 = w is wb
                 if bf16 and parts != 1:
                     continue
-                fns = {"ours": lambda w=w: dense.linear(x, w, None, out, n_threads=nt, parts=parts),
-                       "torch": lambda w=w: torch_linear(x, w, None, parts, out, nt)}
+                fns = {"ours": lambda w=w, x=x, out=out: dense.linear(x, w, None, out, n_threads=nt, parts=parts),
+                       "torch": lambda w=w, x=x, out=out: torch_linear(x, w, None, parts, out, nt)}
                 inner = max(1, int(2e6 // max(1, m * n * k)))  # small shapes: several calls per sample
                 times = {key: [] for key in fns}
                 for f in fns.values():

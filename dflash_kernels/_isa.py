@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from functools import lru_cache
+from functools import cache
 
 TIERS = ("avx2", "avx512", "avx512_bf16", "amx")
 NATIVE = "native"
@@ -39,7 +39,7 @@ NUMBA_CPU = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_bf16": "coop
              "amx": "sapphirerapids"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpu_flags() -> frozenset[str]:
     """CPU feature flags as Linux reports them (empty when /proc/cpuinfo is unreadable)."""
     try:
@@ -52,7 +52,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -66,7 +66,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _amx_granted() -> bool:
     """Ask Linux for AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)."""
     try:
@@ -87,7 +87,7 @@ def tier_tuple(flags) -> tuple[str, ...]:
     return tuple(have)
 
 
-@lru_cache(maxsize=None)
+@cache
 def machine_tier() -> str | None:
     """The highest tier this CPU and OS support; None below AVX2 (no compiled kernels then)."""
     tiers = tier_tuple(cpu_flags())
