@@ -57,10 +57,11 @@ class Ops:
         self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
-        # bf16 LM-head blocks: linear + argmax beats denoise_block's FMA tiles where linear runs
-        # them on AMX tiles or vdpbf16ps
-        self.block_head_linear = name == "cython" and (
-            self._dense.amx_available() or (self._parts < 3 and self._dense.bf16dot_pays()))
+        # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
+        # tiles on every tier (16 x 2048 x 151936 bf16, 2 threads: 87 vs 107 ms on avx2, 64 vs 102
+        # on avx512_bf16; inside a Qwen3-1.7B-shape verification on avx512, with the memory-mapped
+        # head, 373 ms through denoise_block), and the (rows, V) float32 logits are small
+        self.block_head_linear = name == "cython"
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""
