@@ -9,6 +9,7 @@ are emitted. Unbatched inputs (drafts (K,), targets (K+1,) / logits (K+1, V)) gi
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -51,14 +52,23 @@ def check_uniforms(uniforms, shape, name: str = "uniforms") -> np.ndarray:
     return u
 
 
+# Temperatures below this sample greedily (argmax, first index on ties), on every backend: 1 / T
+# overflowed float32 below ~3e-39 and every backend failed differently (token 0, SystemError,
+# IndexError); from 1e-6 down, softmax(logits / T) is one-hot for any logit gap above ~1e-4 anyway.
+MIN_TEMPERATURE = 1e-6
+
+
 def check_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise ValueError(f"temperature must be a real number >= 0, got {temperature!r}")
+    """Validate the sampling arguments; temperature below MIN_TEMPERATURE comes back as 0 (greedy)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0 \
+            or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite real number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    return float(temperature), int(top_k), float(top_p)
+    t = float(temperature)
+    return (0.0 if t < MIN_TEMPERATURE else t), int(top_k), float(top_p)
 
 
 def _num_draft(num_draft, b_sz: int, k: int) -> np.ndarray:

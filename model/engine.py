@@ -12,11 +12,14 @@ sampled outputs have the same distribution.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
 import numpy as np
+
+from dflash_kernels.acceptance import MIN_TEMPERATURE
 
 from ._ops import Ops
 from .config import load_dflash_config
@@ -57,6 +60,8 @@ class Engine:
         self.target_dir = self.drafter_dir = None  # set by load()
         self._cache = None
         self._ctx = None
+        # generate() is not re-entrant: the caches and the decoding state are the Engine's own
+        self._busy = threading.Lock()
 
     # -- helpers for a CLI ---------------------------------------------------------------------
 
@@ -124,13 +129,26 @@ class Engine:
         """Generate up to ``max_new_tokens`` tokens after a prompt (text, encoded without chat
         template, or token ids).
 
-        temperature 0: greedy (identical with and without the drafter). temperature > 0: sampled
+        temperature 0 (or below dflash_kernels.acceptance.MIN_TEMPERATURE, 1e-6): greedy (identical
+        with and without the drafter). temperature > 0: sampled
         with top_k (0 = off) / top_p (1 = off), lossless rejection sampling; ``seed`` (int) makes it
         reproducible. num_speculative_tokens: drafts per round, default block_size - 1; 0 or no
         drafter = autoregressive. stop: extra stop token ids and/or stop strings (in addition to
         the checkpoint's eos ids unless ignore_eos). stream: ``callback(new_ids, new_text)`` after
         every round (new_text None without tokenizer).
         """
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("Engine.generate is already running, in another thread or further up this "
+                               "one's stack (a stream callback): one Engine serves one generation at a "
+                               "time; load one Engine per thread (the weights are memory-mapped and shared)")
+        try:
+            return self._generate(prompt_or_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                  num_speculative_tokens, stop, stream, ignore_eos)
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompt_or_ids, max_new_tokens, temperature, top_k, top_p, seed, num_speculative_tokens,
+                  stop, stream, ignore_eos) -> GenerationResult:
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
@@ -153,6 +171,8 @@ class Engine:
         if max_new_tokens == 0:
             self.history.append(metrics)
             return GenerationResult([], "" if self.tokenizer else None, "length", metrics, ids)
+        if temperature < MIN_TEMPERATURE:  # too small to invert: greedy, as every kernel treats it
+            temperature = 0.0
         run = _Run(self, int(max_new_tokens), float(temperature), int(top_k), float(top_p), seed,
                    stop_ids, stop_strings, stream, metrics)
         run.execute(ids, int(k))

@@ -253,3 +253,20 @@ def test_emitted_tokens_follow_the_target_distribution(kernel_backend, with_q, s
         assert counts.sum() > 5_000
         tv = 0.5 * np.abs(counts / counts.sum() - p[i]).sum()
         assert tv < 0.03, f"position {i}: total variation {tv:.4f} from the target distribution"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 3e-39, 1e-7])
+def test_tiny_temperature_is_greedy_on_every_backend(temperature):
+    """1 / T overflowed float32: Cython emitted token 0, Numba raised SystemError, torch IndexError."""
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((2, 5, 50)) * 3).astype(np.float32)
+    drafts = logits[:, :4].argmax(-1)
+    drafts[1, 2] = (drafts[1, 2] + 1) % 50
+    greedy = dk.rejection_sample(drafts, logits, temperature=0.0, generator=0)
+    for b in dk.available_backends():
+        got = dk.rejection_sample(drafts, logits, temperature=temperature, generator=0, backend=b)
+        for g, e in zip(got, greedy):
+            assert np.array_equal(np.asarray(g), np.asarray(e)), b
+        tok = dk.denoise_block(logits[0], np.eye(50, dtype=np.float32), temperature=temperature, generator=0,
+                               backend=b)
+        assert np.array_equal(np.asarray(tok), logits[0].argmax(-1)), b

@@ -49,3 +49,24 @@ def test_env_backend_preference():
     env = dict(os.environ, DFLASH_BACKEND="torch")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "torch"
+
+
+@pytest.mark.parametrize("backend", dk.available_backends())
+def test_too_many_threads_is_an_error_not_a_crash(backend):
+    """10**6 threads crashed the process ("libgomp: Thread creation failed", a segfault with torch)."""
+    import numpy as np
+
+    from dflash_kernels._threads import max_threads
+
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ValueError, match=f"n_threads must be at most {max_threads()}"):
+        dk.rms_norm(x, np.ones(8, np.float32), n_threads=10**6, backend=backend)
+    assert dk.rms_norm(x, np.ones(8, np.float32), n_threads=np.int64(2), backend=backend).shape == (2, 8)
+
+
+@pytest.mark.parametrize("value", ["1000000", "two", "0"])
+def test_bad_env_threads_named(value):
+    code = "import numpy as np, dflash_kernels as dk; dk.silu_and_mul(np.zeros((1, 4), np.float32))"
+    env = dict(os.environ, DFLASH_NUM_THREADS=value)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode != 0 and "DFLASH_NUM_THREADS must" in res.stderr and "Segmentation" not in res.stderr

@@ -328,3 +328,42 @@ def test_greedy_lossless_every_tier_and_precision(hot, tier, precision):
 def test_load_bad_precision(hot):
     with pytest.raises(ValueError, match="precision must be one of highest, high, medium"):
         dm.load(hot.target_dir, hot.drafter_dir, precision="fp8")
+
+
+def test_generate_refuses_reentrant_and_concurrent_use(plain):
+    """One Engine, one generation at a time: a second call from the stream callback, or from another
+    thread while the first runs, raises instead of corrupting the caches (it gave wrong tokens)."""
+    import threading
+
+    seen = []
+
+    def reenter(new_ids, new_text):
+        with pytest.raises(RuntimeError, match="already running"):
+            plain.generate([1, 2, 3], 4)
+        seen.append(True)
+
+    ref = plain.generate([5, 6, 7], 6, num_speculative_tokens=3, ignore_eos=True).token_ids
+    assert plain.generate([5, 6, 7], 6, num_speculative_tokens=3, ignore_eos=True, stream=reenter).token_ids == ref
+    assert seen
+    started, release, errors = threading.Event(), threading.Event(), []
+
+    def slow(new_ids, new_text):
+        started.set()
+        release.wait(5)
+
+    t = threading.Thread(target=lambda: plain.generate([5, 6, 7], 3, ignore_eos=True, stream=slow))
+    t.start()
+    assert started.wait(5)
+    try:
+        plain.generate([1, 2], 2)
+    except RuntimeError as err:
+        errors.append(err)
+    release.set()
+    t.join()
+    assert errors and "already running" in str(errors[0])
+    assert plain.generate([5, 6, 7], 6, num_speculative_tokens=3, ignore_eos=True).token_ids == ref
+
+
+def test_tiny_temperature_generates_greedily(plain):
+    ref = plain.generate([9, 10, 11], 8, ignore_eos=True).token_ids
+    assert plain.generate([9, 10, 11], 8, temperature=1e-30, seed=1, ignore_eos=True).token_ids == ref
