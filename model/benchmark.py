@@ -154,7 +154,12 @@ def tuned_path() -> Path:
 
 
 def _tune_key(eng) -> str:
-    return f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={getattr(eng.ops, 'n_threads', None)}"
+    """The pair, and what decides a round's cost here: the threads (resolved), the ISA tier and the
+    matmul precision (a k tuned on AMX is too long for the same pair capped to AVX2)."""
+    ops = eng.ops
+    tier = getattr(ops._dense, "TIER", "numba") if ops._dense is not None else "torch"
+    return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={ops.kw['n_threads']}"
+            f"|tier={tier}|precision={ops.precision}")
 
 
 def tuned_num_speculative_tokens(eng) -> int | None:
