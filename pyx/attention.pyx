@@ -40,14 +40,15 @@ cdef extern from *:
 
     /* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
        (DK_RB rows x DK_NV vectors of DK_W floats) stay in registers: 8 x 2 vectors of 16 floats with
-       AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs; 16 queries over 4096 keys,
-       32/8 heads x 128, 2 threads: 6.1 ms with 4 rows, 5.4 with 8), 4 x 2 of 8 with AVX2 (8 of 16
-       ymm; 6 rows were no faster). A block covers DK_CB = DK_NV * DK_W keys (in S)
+       AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs), 4 x 2 of 8 with AVX2 (8 of 16
+       ymm; 6 rows were no faster). Items that pack <= 4 rows (decode) use 4-row blocks. A block covers DK_CB = DK_NV * DK_W keys (in S)
        or head dims (in P V). */
     #if defined(__AVX512F__)
     #define DK_W 16
     #define DK_NV 2
+    #ifndef DK_RB
     #define DK_RB 8
+    #endif
     #else
     #define DK_W 8
     #define DK_NV 2
@@ -60,40 +61,56 @@ cdef extern from *:
     #define DK_LD(p) (*(const dk_vf*)(p))
     #define DK_ST(p, x) (*(dk_vf*)(p) = (x))
 
-    /* s[0:RB, 0:CB] (row stride lds) = q[0:RB, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
-    static inline void dk_qk_block(const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
-                                   float* s, Py_ssize_t lds) {
+    #define DK_AI static inline __attribute__((always_inline))
+    /* s[0:rb, 0:CB] (row stride lds) = q[0:rb, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
+    DK_AI void dk_qk_rows(const int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
+                          float* s, Py_ssize_t lds) {
         dk_vf a[DK_RB][DK_NV];
-        for (int i = 0; i < DK_RB; i++)
+        for (int i = 0; i < rb; i++)
             for (int v = 0; v < DK_NV; v++) a[i][v] = (dk_vf){0};
         for (Py_ssize_t d = 0; d < D; d++) {
             dk_vf k[DK_NV];
             for (int v = 0; v < DK_NV; v++) k[v] = DK_LD(kt + d * ldk + v * DK_W);
-            for (int i = 0; i < DK_RB; i++) {
+            for (int i = 0; i < rb; i++) {
                 float qi = q[i * D + d];
                 for (int v = 0; v < DK_NV; v++) a[i][v] += qi * k[v];
             }
         }
-        for (int i = 0; i < DK_RB; i++)
+        for (int i = 0; i < rb; i++)
             for (int v = 0; v < DK_NV; v++) DK_ST(s + i * lds + v * DK_W, a[i][v]);
     }
 
-    /* acc[0:RB, 0:CB] (row stride lda) += p[0:RB, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
-    static inline void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
-                                   Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+    /* acc[0:rb, 0:CB] (row stride lda) += p[0:rb, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
+    DK_AI void dk_pv_rows(const int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
+                          Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
         dk_vf a[DK_RB][DK_NV];
-        for (int i = 0; i < DK_RB; i++)
+        for (int i = 0; i < rb; i++)
             for (int v = 0; v < DK_NV; v++) a[i][v] = DK_LD(acc + i * lda + v * DK_W);
         for (Py_ssize_t c = 0; c < n; c++) {
             dk_vf x[DK_NV];
             for (int v = 0; v < DK_NV; v++) x[v] = DK_LD(vm + c * ldv + v * DK_W);
-            for (int i = 0; i < DK_RB; i++) {
+            for (int i = 0; i < rb; i++) {
                 float pi = p[i * ldp + c];
                 for (int v = 0; v < DK_NV; v++) a[i][v] += pi * x[v];
             }
         }
-        for (int i = 0; i < DK_RB; i++)
+        for (int i = 0; i < rb; i++)
             for (int v = 0; v < DK_NV; v++) DK_ST(acc + i * lda + v * DK_W, a[i][v]);
+    }
+
+    /* Row blocks of 4 (DK_RB_SMALL) or DK_RB rows: a decode step's few packed rows (e.g. GQA group
+       2: 2 rows) would waste half of an 8-row block (1 query over 257 keys, 16/8 heads: 58 us with
+       4-row blocks, 71 with 8; 16 queries over 4096 keys, 32/8: 6.7 ms with 4, 5.6 with 8). */
+    #define DK_RB_SMALL 4
+    static void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
+                            float* s, Py_ssize_t lds) {
+        if (rb == DK_RB) dk_qk_rows(DK_RB, q, D, kt, ldk, s, lds);
+        else dk_qk_rows(DK_RB_SMALL, q, D, kt, ldk, s, lds);
+    }
+    static void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
+                            Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+        if (rb == DK_RB) dk_pv_rows(DK_RB, p, ldp, n, vm, ldv, acc, lda);
+        else dk_pv_rows(DK_RB_SMALL, p, ldp, n, vm, ldv, acc, lda);
     }
 
     /* One stored element (float32, or bf16 bits: exact upcast by << 16). */
@@ -168,10 +185,11 @@ cdef extern from *:
     float dk_exp(float x) noexcept nogil
     void dk_prefetch(const void* p, Py_ssize_t nbytes) noexcept nogil
     int DK_CB
-    int RB "DK_RB"   # query rows per register block
-    void dk_qk_block(const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk, float* s,
+    int RB_BIG "DK_RB"          # query rows per register block
+    int RB_SMALL "DK_RB_SMALL"  # ... when an item packs only that many rows (decode)
+    void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk, float* s,
                      Py_ssize_t lds) noexcept nogil
-    void dk_pv_block(const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
+    void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
                      float* acc, Py_ssize_t lda) noexcept nogil
     int dk_finish_split(int* remaining) noexcept nogil
     void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
@@ -199,7 +217,8 @@ cdef struct Problem:
     Py_ssize_t qb_t    # query positions per work item
     Py_ssize_t n_qb    # query blocks
     Py_ssize_t split   # key splits per query block
-    Py_ssize_t rows    # packed rows per item, rounded up to RB
+    Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
+    Py_ssize_t rows    # packed rows per item, rounded up to rb
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -405,16 +424,17 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 g_pf, j_pf = 0, j0 + KT
                 if tile + 1 == (s + 1) * n_tiles // split:
                     j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
-            pf_per_block = (KT + Rp // RB - 1) // (Rp // RB)
+            pf_per_block = (KT + Rp // P.rb - 1) // (Rp // P.rb)
             # per block of 4 query rows: S = Q K^T, masked online softmax, acc += P V (the
             # block's scores stay in L1 between the three steps; kt and vt are streamed)
-            for r0 in range(Rp // RB):
+            for r0 in range(Rp // P.rb):
                 if j_pf <= hi_max:
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
                                    min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
                 for c0 in range(KT // DK_CB):
-                    dk_qk_block(qg + r0 * RB * D, D, kt + c0 * DK_CB, KT, sc + r0 * RB * KT + c0 * DK_CB, KT)
-                for r in range(r0 * RB, r0 * RB + RB):
+                    dk_qk_block(P.rb, qg + r0 * P.rb * D, D, kt + c0 * DK_CB, KT, sc + r0 * P.rb * KT + c0 * DK_CB,
+                                KT)
+                for r in range(r0 * P.rb, r0 * P.rb + P.rb):
                     if r < R:
                         t = t0 + r // group
                         c_lo = max(_lo(P, t) - j0, 0)
@@ -423,7 +443,8 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                         c_lo, c_hi = 1, 0
                     _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
                 for c0 in range(Dp // DK_CB):
-                    dk_pv_block(sc + r0 * RB * KT, KT, kn, vsrc + c0 * DK_CB, ldv, ag + r0 * RB * Dp + c0 * DK_CB, Dp)
+                    dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
+                                ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
 
     if split == 1:
         for g in range(H):
@@ -491,7 +512,9 @@ def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float
     P.scale = scale
     P.qb_t = max(1, QROWS // P.group)
     P.n_qb = (P.T_q + P.qb_t - 1) // P.qb_t
-    P.rows = (min(P.qb_t, P.T_q) * P.group + RB - 1) // RB * RB
+    P.rows = min(P.qb_t, P.T_q) * P.group
+    P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
+    P.rows = (P.rows + P.rb - 1) // P.rb * P.rb
     n_base = P.n_qb
     P.split = 1
     if n_base < SPLIT_ITEMS:
