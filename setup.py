@@ -15,6 +15,7 @@ Environment switches:
 """
 
 import os
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -67,6 +68,8 @@ def _openmp_flags():
 def _selected_tiers() -> dict[str, list[str]]:
     if MARCH:
         return {"native": [f"-march={MARCH}"]}
+    if platform.machine().lower() not in ("x86_64", "amd64"):  # the tiers are x86-64 levels
+        return {"native": ["-march=native"]}
     wanted = os.environ.get("DFLASH_TIERS")
     if not wanted:
         return TIERS
