@@ -157,7 +157,14 @@ class Ops:
             # denoise_block's vocab-chunked tiles (measured on 151936 x 1024 bf16: 16.9 vs 28.9 ms),
             # and (1..4, V) logits are small; np.argmax keeps the first index on ties. Draft blocks
             # with AMX tiles: 15 x 151936 x 2048 in 39.6 vs 96.1 ms (4160 x 256: 0.12 vs 0.49 ms).
-            out = np.argmax(np.asarray(self._matmul(hidden, lm_head)), axis=1)
+            logits = np.asarray(self._matmul(hidden, lm_head))
+            out = np.argmax(logits, axis=1)
+            # argmax picks a NaN (or +inf) wherever there is one: non-finite logits raise here as
+            # they do in denoise_block and rejection_sample, instead of choosing a token silently
+            bad = ~np.isfinite(logits[np.arange(len(out)), out])
+            if bad.any():
+                raise ValueError(f"logits row {int(np.flatnonzero(bad)[0])} is not finite (NaN or inf in the "
+                                 "weights or activations)")
         else:
             out = dk.denoise_block(hidden, lm_head, temperature=0.0, precision=self.precision, **self.kw)
         self.kernel_s += perf_counter() - t

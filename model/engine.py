@@ -137,6 +137,10 @@ class Engine:
         the checkpoint's eos ids unless ignore_eos). stream: ``callback(new_ids, new_text)`` after
         every round (new_text None without tokenizer).
         """
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+        if stream is not None and not callable(stream):
+            raise TypeError(f"stream must be a callable(new_ids, new_text) or None, got {stream!r}")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("Engine.generate is already running, in another thread or further up this "
                                "one's stack (a stream callback): one Engine serves one generation at a "
@@ -191,7 +195,13 @@ class Engine:
     def _stops(self, stop, ignore_eos):
         ids = set() if ignore_eos else set(self.stop_ids)
         strings = []
-        for s in ([] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))):
+        if isinstance(stop, (bytes, bytearray)):  # list(b"\n") would silently be stop id 10
+            raise TypeError(f"stop must be token ids and/or strings, got bytes {stop!r}: pass stop={stop.decode()!r}"
+                            if isinstance(stop, bytes) and stop.isascii() else f"stop must be token ids and/or "
+                            f"strings, got {type(stop).__name__}")
+        if stop is not None and not isinstance(stop, (str, int, np.integer, list, tuple, set, frozenset)):
+            raise TypeError(f"stop must be a token id, a string, or a list of them, got {stop!r}")
+        for s in ([] if stop is None else ([stop] if isinstance(stop, (str, int, np.integer)) else list(stop))):
             if isinstance(s, str):
                 if not s:
                     raise ValueError("stop strings must be non-empty")

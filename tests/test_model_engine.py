@@ -367,3 +367,27 @@ def test_generate_refuses_reentrant_and_concurrent_use(plain):
 def test_tiny_temperature_generates_greedily(plain):
     ref = plain.generate([9, 10, 11], 8, ignore_eos=True).token_ids
     assert plain.generate([9, 10, 11], 8, temperature=1e-30, seed=1, ignore_eos=True).token_ids == ref
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"stop": b"\n"}, TypeError, "stop must be token ids and/or strings, got bytes"),
+    ({"stop": 1.5}, TypeError, "stop must be a token id, a string, or a list of them"),
+    ({"seed": "abc"}, ValueError, "seed must be an int >= 0 or None"),
+    ({"seed": 1.5}, ValueError, "seed must be an int >= 0 or None"),
+    ({"seed": -1}, ValueError, "seed must be an int >= 0 or None"),
+    ({"stream": 5}, TypeError, "stream must be a callable"),
+])
+def test_generate_arguments_checked_up_front(plain, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        plain.generate([1, 2, 3], 4, **kwargs)
+
+
+def test_nan_weights_raise_on_the_autoregressive_path_too(ckpt_dir, tmp_path_factory):
+    """NaN in the LM head gave [0, 0, ...] on the autoregressive path (argmax over NaN) while the
+    DFlash path raised: both raise now."""
+    t = ckpt_dir("plain", tie=True, style="v5")
+    eng = dm.load(t, None, max_len=64, n_threads=1)
+    eng.target.lm_head = np.array(eng.target.lm_head, copy=True)
+    eng.target.lm_head[7] = 0x7FC0  # bf16 NaN
+    with pytest.raises(ValueError, match="not finite"):
+        eng.generate([1, 2, 3], 4, ignore_eos=True)
