@@ -8,6 +8,7 @@ raise ``ConfigError`` naming the file and the key on anything missing or inconsi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,12 +47,15 @@ class _Reader:
             self.fail(key, f"must be an integer >= {minimum}, got {v!r}")
         return v
 
-    def float(self, key: str, default=None) -> float:
+    def float(self, key: str, default=None, maximum: float = math.inf) -> float:
+        """A finite number in (0, maximum]: JSON's NaN and Infinity parse as floats and would pass
+        a plain > 0 check (an rms_norm_eps of NaN generated token 0 everywhere)."""
         v = self.data.get(key, default)
         if v is None:
             self.fail(key, "is missing")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            self.fail(key, f"must be a positive number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= maximum) or not math.isfinite(v):
+            bound = "" if maximum == math.inf else f" <= {maximum:g}"
+            self.fail(key, f"must be a finite positive number{bound}, got {v!r}")
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -66,8 +70,8 @@ class _Reader:
         params = self.data.get("rope_parameters")
         if isinstance(params, dict) and params.get("rope_theta") is not None:
             theta = params["rope_theta"]
-            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-                self.fail("rope_parameters.rope_theta", f"must be a positive number, got {theta!r}")
+            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+                self.fail("rope_parameters.rope_theta", f"must be a finite positive number, got {theta!r}")
             return float(theta)
         if self.data.get("rope_theta") is None:
             self.fail("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
@@ -182,7 +186,7 @@ def load_qwen3_config(model_dir) -> Qwen3Config:
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
         rope_theta=r.rope_theta(),
         max_position_embeddings=r.int("max_position_embeddings", 40960),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
@@ -306,7 +310,7 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
         rope_theta=r.rope_theta(),
         vocab_size=r.int("vocab_size") if vocab is not None else None,
         block_size=block,

@@ -187,7 +187,7 @@ def load_qwen35_config(model_dir) -> Qwen35Config:
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
         rope_theta=theta,
         partial_rotary_factor=factor,
         rotary_dim=rotary_dim,

@@ -279,3 +279,25 @@ def test_unreadable_or_missing_tokenizer(target):
     assert len(res.token_ids) == 4 and res.text is None
     with pytest.raises(ValueError, match="no tokenizer.json"):
         eng.generate("text", 4)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a finite positive number <= 1"),
+    ("rms_norm_eps", 1e300, "'rms_norm_eps' must be a finite positive number <= 1"),
+    ("rope_theta", float("inf"), "'rope_theta' must be a finite positive number"),
+    ("rope_theta", float("nan"), "'rope_theta' must be a finite positive number"),
+])
+def test_non_finite_config_floats_named(tmp_path, key, value, match):
+    """JSON NaN / Infinity parse as floats; they loaded and generated token 0 or other tokens."""
+    import json
+
+    from checkpoints import write_qwen3
+    from dflash_kernels.model.config import ConfigError
+
+    d = write_qwen3(tmp_path / "t")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=match):
+        dm.load(d)
