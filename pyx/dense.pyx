@@ -21,7 +21,7 @@ cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
 cdef extern from "dk_dense.h" nogil:
-    int DK_MR, DK_NR, DK_KC, DK_MB, DK_VW
+    int DK_MR, DK_NR, DK_KC, DK_VW
     void dk_pair_x(long M, long K, const float *x, float *xp2)
     void dk_group_direct(long M, long K, long N, long n0, long nr, int bf16, const float *x,
                          const float *xp2, const void *w, const float *bias, float *out)

@@ -10,12 +10,13 @@
    accumulation order differs from the FMA path, as it would with any other blocking.
 
    Layout: out^T = W x^T, so the weights are the A operand and are loaded straight from their
-   row-major (N, K) storage (16 rows x 32 bf16 per tile, stride 2K bytes), never repacked. The
+   row-major (N, K) storage (16 rows x 32 bf16 per tile, stride 2K bytes), never repacked (but for
+   one K step per group of rows that start off a cache line: dk_amx_group_p). The
    activations are the B operand, packed once per call in the pair-interleaved ("VNNI") layout:
    tile (m block, k block, part) = 16 k-pairs x 16 rows x 2 bf16, `parts` tiles per step.
 
    Tiles: 0-1 accumulate 2 blocks of 16 output columns (a group of 32 weight rows), 2-3 hold their
-   weight tiles, 4-6 the three activation parts. Both weight tiles are loaded before the six
+   weight tiles, 4-6 the activation parts (one to three). Both weight tiles are loaded before the
    products: with 4 column blocks sharing one weight tile register, each reload waited for the
    products still reading it (28 Qwen3-1.7B layers + LM head at M = 16: 188-204 vs 213-222 ms). */
 #ifndef DK_AMX_H

@@ -27,7 +27,6 @@ vectors and a 3 x 4 register tile, AVX-512 16-float zmm vectors and a 4 x 4 tile
 #ifndef DK_KC
 #define DK_KC 512    /* K chunk: a DK_NR x DK_KC fp32 weight panel stays in L1 */
 #endif
-#define DK_MB 64     /* x rows per block: the block's x stays in L2 while W streams */
 #define DK_AI static inline __attribute__((always_inline))
 
 typedef float dk_vf __attribute__((vector_size(4 * DK_VW)));
