@@ -66,7 +66,8 @@ cdef inline float row_max(const float *e, Py_ssize_t n, int *status) noexcept no
 
 
 cdef inline Py_ssize_t row_argmax(const float *e, Py_ssize_t n, int *status) noexcept nogil:
-    """First index of the max (NaN -> BAD_LOGIT; +inf is a valid max)."""
+    """First index of the max (NaN -> BAD_LOGIT; +inf is a valid max; all -inf -> NO_FINITE, as the
+    torch reference and the sampled path raise)."""
     cdef Py_ssize_t i, arg = 0
     cdef float v, best = -INFINITY
     status[0] = OK
@@ -78,6 +79,8 @@ cdef inline Py_ssize_t row_argmax(const float *e, Py_ssize_t n, int *status) noe
         elif v != v:
             status[0] = BAD_LOGIT
             return 0
+    if best == -INFINITY:
+        status[0] = NO_FINITE
     return arg
 
 

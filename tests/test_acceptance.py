@@ -270,3 +270,14 @@ def test_tiny_temperature_is_greedy_on_every_backend(temperature):
         tok = dk.denoise_block(logits[0], np.eye(50, dtype=np.float32), temperature=temperature, generator=0,
                                backend=b)
         assert np.array_equal(np.asarray(tok), logits[0].argmax(-1)), b
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_all_minus_inf_row_raises_on_every_backend(temperature):
+    """A verify row with no finite logit: Cython and Numba chose token 0 at temperature 0 where torch
+    raised; every backend raises now, at every temperature."""
+    logits = np.zeros((1, 3, 10), np.float32)
+    logits[0, 0, :] = -np.inf
+    for b in dk.available_backends():
+        with pytest.raises(ValueError, match="has no finite logit"):
+            dk.rejection_sample(np.array([[3, 4]]), logits, temperature=temperature, generator=0, backend=b)

@@ -47,7 +47,8 @@ def row_max(e, n):
 
 @njit(**JIT)
 def row_argmax(src, n):
-    """(first index of the max, status) of src[:n] (NaN -> BAD_LOGIT; +inf is a valid max)."""
+    """(first index of the max, status) of src[:n] (NaN -> BAD_LOGIT; +inf is a valid max; all -inf ->
+    NO_FINITE, as the torch reference and the sampled path raise)."""
     best = -np.inf
     arg = 0
     for i in range(n):
@@ -57,6 +58,8 @@ def row_argmax(src, n):
             arg = i
         elif v != v:
             return 0, BAD_LOGIT
+    if best == -np.inf:
+        return arg, NO_FINITE
     return arg, OK
 
 
