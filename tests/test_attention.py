@@ -202,3 +202,19 @@ def test_bad_input():
         dk.cached_attention(q, k, v, n_threads=0)
     with pytest.raises(ValueError, match="backend"):
         dk.cached_attention(q, k, v, backend="fortran")
+
+
+def test_nan_key_propagates_on_every_backend():
+    """NaN in one K row reaches the outputs of the queries that see it, on every backend (Numba's
+    exp turned it into 0 and dropped the key)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((10, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((10, 2, 64)).astype(np.float32)
+    k[3, 0, 5] = np.nan
+    rows = {b: np.isnan(dk.cached_attention(q, k, v, causal=True, backend=b)).any(axis=2)
+            for b in dk.available_backends()}
+    expect = np.zeros((2, 4), bool)
+    expect[:, :2] = True  # query heads 0 and 1 read kv head 0; both queries see key 3
+    for b, r in rows.items():
+        assert np.array_equal(r, expect), b

@@ -51,7 +51,8 @@ _F32 = np.float32
 @njit(inline="always", **JIT)
 def fast_exp(x):
     """float32 exp, the same polynomial as the Cython kernels' dk_exp (pyx/dk_exp.h): Cephes range
-    reduction + degree-6 polynomial (~2 ulp); exactly 0 below -87 (and for -inf), clamped above 88.
+    reduction + degree-6 polynomial (~2 ulp); exactly 0 below -87 (and for -inf), clamped above 88,
+    NaN for NaN.
     Numba's np.exp is a scalar libm call; this one vectorises."""
     xc = min(max(x, _F32(-87.0)), _F32(88.0))
     fx = np.floor(xc * _F32(1.44269504088896341) + _F32(0.5))
@@ -64,4 +65,6 @@ def fast_exp(x):
     p = p * r + _F32(5.0000001201e-1)
     y = p * r * r + r + _F32(1.0)
     scale = bits_as_f32(np.int32((np.int32(fx) + np.int32(127)) << np.int32(23)))
-    return y * scale if x >= _F32(-87.0) else _F32(0.0)
+    if x >= _F32(-87.0):
+        return y * scale
+    return x if x != x else _F32(0.0)  # NaN stays NaN, as in dk_exp

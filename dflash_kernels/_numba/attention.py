@@ -44,7 +44,8 @@ def _exp_shifted(s, mx, p, pow2_bits, pow2):
         q = q * r + _P4
         q = q * r + _P5
         q = q * (r * r) + r + np.float32(1.0)
-        p[c] = q if x >= np.float32(-87.0) else np.float32(0.0)
+        # below -87 (and -inf): 0; NaN stays NaN, as in dk_exp and IEEE (a NaN key was dropped)
+        p[c] = q if x >= np.float32(-87.0) else (x if x != x else np.float32(0.0))
         pow2_bits[c] = (np.int32(k) + np.int32(127)) << np.int32(23)
     for c in range(n):
         p[c] *= pow2[c]
