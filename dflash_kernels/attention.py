@@ -29,7 +29,7 @@ def _window(window):
         return None
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
-    return int(window)
+    return min(int(window), 2**62)  # wider than any sequence: the same as no window (and fits C)
 
 
 def _scale(scale, d: int) -> float:

@@ -73,8 +73,8 @@ def make_draft_block(anchor_ids, mask_token_id, block_size, *, vocab_size=None, 
     """
     resolve_threads(n_threads)
     resolve(backend, "denoise")
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or not 1 <= block_size <= 2**16:
+        raise ValueError(f"block_size must be an int in [1, 65536] (drafters use 8-32), got {block_size!r}")
     if (isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral)
             or mask_token_id < 0):
         raise ValueError(f"mask_token_id must be an int >= 0, got {mask_token_id!r}")

@@ -76,6 +76,14 @@ def _eps(eps) -> float:
     return e
 
 
+def _offset(offset) -> float:
+    if isinstance(offset, (bool, str)) or not isinstance(offset, (int, float, np.integer, np.floating)):
+        raise TypeError(f"offset must be a real number (0.0 for Qwen3, 1.0 for Qwen3.5), got {offset!r}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset!r}")
+    return float(offset)
+
+
 def rms_norm(x, w, eps=1e-6, *, offset=0.0, residual=None, n_threads=None, backend="auto"):
     """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * (offset + w)``, in float32.
 
@@ -92,7 +100,7 @@ def rms_norm(x, w, eps=1e-6, *, offset=0.0, residual=None, n_threads=None, backe
     wa = f32_array(w, "w", ndim=1)
     if wa.shape != (h,):
         raise ValueError(f"w must have shape ({h},) to match x {xa.shape}, got {wa.shape}")
-    params = dict(eps=_eps(eps), offset=float(offset))
+    params = dict(eps=_eps(eps), offset=_offset(offset))
     x2 = xa.reshape(-1, h)  # (M, H)
     out = np.empty(x2.shape, np.float32)
     torch_out = is_torch(x)

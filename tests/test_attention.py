@@ -218,3 +218,13 @@ def test_nan_key_propagates_on_every_backend():
     expect[:, :2] = True  # query heads 0 and 1 read kv head 0; both queries see key 3
     for b, r in rows.items():
         assert np.array_equal(r, expect), b
+
+
+def test_huge_window_is_no_window():
+    """window=2**70 raised OverflowError from the C conversion; it is wider than any sequence."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((10, 2, 64)).astype(np.float32)
+    assert np.array_equal(dk.cached_attention(q, k, k, window=2**70), dk.cached_attention(q, k, k))
+    assert np.array_equal(dk.injected_kv_attention(q, k, k, k[:2], k[:2], window=2**70),
+                          dk.injected_kv_attention(q, k, k, k[:2], k[:2]))

@@ -332,3 +332,10 @@ def test_linear_bf16_weights_off_a_cache_line(offset_bytes, precision):
     expect = (xr @ as_f64(w).T).numpy()
     got = dk.linear(x, w, precision=precision, backend="cython")
     assert_close(got, expect, **TOLERANCE_LONG, what=f"offset {offset_bytes} {precision}")
+
+
+@pytest.mark.parametrize("offset,err", [("a", TypeError), (float("nan"), ValueError), (True, TypeError)])
+def test_rms_norm_bad_offset_named(offset, err):
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(err, match="offset must be"):
+        dk.rms_norm(x, np.ones(8, np.float32), offset=offset)
