@@ -23,11 +23,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh randomness)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
                    help="drafts per round (default: the tuned value if `dflash tune` ran, else block_size - 1)")
 
@@ -68,8 +68,12 @@ def cmd_generate(args) -> int:
                        top_p=args.top_p, seed=args.seed, num_speculative_tokens=k, stream=stream)
     sys.stdout.write("\n")
     m = res.metrics
-    print(f"[{m.generated_tokens} tokens, {m.tokens_per_second:.1f} tok/s, tau {m.tau:.2f}, "
-          f"acceptance {m.acceptance_rate:.1%}]", file=sys.stderr)
+    parts = [f"{m.generated_tokens} tokens"]
+    if m.generated_tokens > 1:  # rates need a token after the first
+        parts.append(f"{m.tokens_per_second:.1f} tok/s")
+    if gen.drafter is not None and m.rounds and m.tau == m.tau:  # no drafts, no acceptance figures
+        parts += [f"tau {m.tau:.2f}", f"acceptance {m.acceptance_rate:.1%}"]
+    print(f"[{', '.join(parts)}]", file=sys.stderr)
     return 0
 
 
@@ -170,9 +174,57 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" unless the help already says what the default is, or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Sub-command parsers that show each option's default in --help."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*a, **kw)
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an int >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be an int >= 1, got {text!r}")
+        return v
+    return parse
+
+
+def _check_paths(args) -> None:
+    """Checked before minutes of loading or benchmarking: checkpoint directories, the output folder."""
+    for flag in ("target", "drafter"):
+        p = getattr(args, flag, None)
+        if p is not None and not Path(p).is_dir():
+            raise ValueError(f"--{flag} {p}: not a checkpoint directory"
+                             + (" (it is a file: pass the folder holding config.json)" if Path(p).is_file() else ""))
+    out = getattr(args, "out", None)
+    if out is not None and args.command == "bench":
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            probe = Path(out) / ".dflash_write_test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ValueError(f"--out {out}: cannot write there ({err.strerror or err})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding on CPU kernels")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("generate", help="generate text (streams); default model: the shipped trained pair")
     p.add_argument("prompt")
@@ -186,19 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--prompts", help="prompt file: JSON list of strings or one prompt per line "
                                      "(default: held-out stdlib prompts)")
-    p.add_argument("--n-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-prompts", type=_positive("--n-prompts"), default=8, help="prompts to run")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="one run per temperature")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help="drafts per round (default: the tuned k, else block_size - 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--out", help="directory for bench.json, bench.md and PNG plots")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("tune", help="sweep num_speculative_tokens and keep the fastest")
     _add_model_args(p)
-    p.add_argument("--n-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--max-k", type=int, default=15)
+    p.add_argument("--n-prompts", type=_positive("--n-prompts"), default=4, help="prompts per k")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
+    p.add_argument("--max-k", type=_positive("--max-k"), default=15, help="largest k of the sweep")
     p.add_argument("--no-save", action="store_true", help="do not store the tuned k beside the drafter")
     p.add_argument("--out", help="also write the sweep as JSON (bench/scale.py --tau-json reads it)")
     p.set_defaults(func=cmd_tune)
@@ -256,10 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_paths(args)
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:  # our errors name the culprit
+    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as err:  # they name the culprit
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ndflash {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

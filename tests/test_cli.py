@@ -70,3 +70,30 @@ def test_validate_passes_on_this_machine(capsys):
     assert main(["validate"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and " 0 failed" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["tune", "--max-k", "0"], "--max-k must be an int >= 1"),
+    (["bench", "--n-prompts", "0"], "--n-prompts must be an int >= 1"),
+    (["tune", "--n-prompts", "0"], "--n-prompts must be an int >= 1"),
+])
+def test_cli_bad_counts_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_cli_paths_checked_before_work(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert main(["generate", "x", "--target", str(f)]) == 2
+    assert "not a checkpoint directory (it is a file" in capsys.readouterr().err
+    assert main(["bench", "--out", "/proc/nope"]) == 2
+    assert "--out /proc/nope: cannot write there" in capsys.readouterr().err
+
+
+def test_cli_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: 8)" in out and "(default: highest)" in out
