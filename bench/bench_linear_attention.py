@@ -17,7 +17,7 @@ from benchsupport import KERNELS, THREADS, record
 from dflash_kernels.reference import linear_attention as ref
 from shapes import BLOCK
 
-HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4  # Qwen3.5-9B linear_attention layers (qwen.md 2.2)
+HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4  # Qwen3.5-9B linear_attention layers (docs/models.md 2.2)
 CONV_DIM = 2 * HK * DK + HV * DV  # 8192 channels [q | k | v]
 NAME = "Qwen3.5-9B GDN"
 

@@ -4,7 +4,7 @@ with a matching 5-layer DFlash drafter (written on the fly to a temporary direct
 Measures, side by side in one process: T_ar (one decode step: target forward + greedy choice),
 T_draft(k) (drafter block forward + token choice), T_verify(k) (target forward over k+1 rows + greedy),
 T_accept (accept_greedy + cache cut + drafter context append) and the projected speedup
-tau(k) * T_ar / (T_draft(k) + T_verify(k) + T_accept) (dflash.md 5) for a given tau table; and the
+tau(k) * T_ar / (T_draft(k) + T_verify(k) + T_accept) (docs/dflash.md 5) for a given tau table; and the
 AR step against the weight-streaming roofline (bytes read per step / streaming read bandwidth measured
 in the same run). For a Qwen3.5 target it also times the rollback after a k=15 verification
 (``HybridCache.truncate`` to an accepted prefix of 6 drafts: restoring the Gated DeltaNet states).
@@ -35,7 +35,7 @@ from shapes import QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B  # noqa: E402
 
 @dataclass(frozen=True)
 class HybridShape:
-    """A Qwen3.5 dense text model (qwen.md 2.2): Gated DeltaNet layers with one gated full-attention
+    """A Qwen3.5 dense text model (docs/models.md 2.2): Gated DeltaNet layers with one gated full-attention
     layer every ``interval``; and the Qwen3-style layers of its DFlash drafter."""
 
     name: str
@@ -74,8 +74,8 @@ class HybridShape:
 QWEN3_5_0_8B = HybridShape("Qwen3.5-0.8B", 1024, 3584, 24, 8, 2, 256, 248320)
 QWEN3_5_2B = HybridShape("Qwen3.5-2B", 2048, 6144, 24, 8, 2, 256, 248320)
 SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B, QWEN3_5_0_8B, QWEN3_5_2B)}
-QWEN35_MASK_TOKEN_ID = 248070  # dflash.md 2: mask token of the Qwen3.5 drafters
-PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (dflash.md 8)
+QWEN35_MASK_TOKEN_ID = 248070  # docs/dflash.md 2: mask token of the Qwen3.5 drafters
+PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (docs/dflash.md 8)
 
 
 def _randn_bf16(*shape, std=0.02, gen=None):
@@ -100,7 +100,7 @@ def _qwen3_layer(prefix, h, i, hd, nh, nkv, gen):
 
 
 def _default_taps(n_target_layers: int, draft_layers: int) -> list[int]:
-    """dflash.md 6: round(1 + j (L - 4) / (n - 1)) for j in 0..n-1."""
+    """docs/dflash.md 6: round(1 + j (L - 4) / (n - 1)) for j in 0..n-1."""
     return [round(1 + j * (n_target_layers - 4) / (draft_layers - 1)) for j in range(draft_layers)]
 
 
@@ -153,10 +153,10 @@ def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0) -> tuple[Pat
 
 
 def write_pair_qwen35(root: Path, s: HybridShape, draft_layers: int = 5, seed: int = 0) -> tuple[Path, Path]:
-    """A random Qwen3.5 target in the text-only ``Qwen3_5ForCausalLM`` layout (prefix ``model.``, A_log and
-    linear_attn.norm.weight F32, the rest bf16; qwen.md 2.3) and its 5-layer DFlash drafter. Init as the
-    trained models look: zero-centred norm weights near 0, gated-norm weights near 1, A_log = log(U(1, 16)),
-    dt_bias near 1, projections std 0.02."""
+    """A random Qwen3.5 target in the text-only ``Qwen3_5ForCausalLM`` layout (prefix ``model.``, A_log
+    and linear_attn.norm.weight F32, the rest bf16; docs/models.md 2.3) and its 5-layer DFlash drafter.
+    Init as the trained models look: zero-centred norm weights near 0, gated-norm weights near 1,
+    A_log = log(U(1, 16)), dt_bias near 1, projections std 0.02."""
     gen = torch.Generator().manual_seed(seed)
     t_dir, d_dir = root / "target", root / "drafter"
     t_dir.mkdir(parents=True)

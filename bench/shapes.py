@@ -1,4 +1,4 @@
-"""Shapes of the real models the benchmarks are named after (facts: shared docs qwen.md, dflash.md)."""
+"""Shapes of the real models the benchmarks are named after (facts: docs/models.md, docs/dflash.md)."""
 
 from dataclasses import dataclass
 

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (dflash.md 8), as in bench/scale.py
+PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (docs/dflash.md 8), as in bench/scale.py
 
 
 def _preload_libs() -> list[str]:

@@ -1,4 +1,4 @@
-"""Speculative acceptance: greedy prefix matching and lossless rejection sampling (dflash.md s. 4).
+"""Speculative acceptance: greedy prefix matching and lossless rejection sampling (docs/dflash.md s. 4).
 
 Both ops return ``(num_accepted, out_tokens)``: ``out_tokens[b]`` holds the accepted drafts, then the
 target's token at the first mismatch / rejection (or the bonus token when every draft passed),

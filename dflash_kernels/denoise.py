@@ -1,4 +1,4 @@
-"""The drafter's token choice for a block, and the block it denoises (dflash.md sections 2-3)."""
+"""The drafter's token choice for a block, and the block it denoises (docs/dflash.md sections 2-3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Qwen3.5 Gated DeltaNet ("linear_attention" layers) and the small gating ops of its full-attention layers.
 
-Facts: shared docs qwen.md 2.5-2.7. A Qwen3.5 linear-attention layer runs, per block of T tokens:
+Facts: docs/models.md 2.5-2.7. A Qwen3.5 linear-attention layer runs, per block of T tokens:
 
     mixed = in_proj_qkv(x)                                  # (T, 2*H_k*d_k + H_v*d_v), channels [q | k | v]
     y = causal_conv1d(mixed, conv1d.weight, conv_state)     # SiLU included; conv_state updated in place

@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--taps", type=int, nargs="+", default=None, metavar="LAYER",
-                   help="target layers to read (default: the default rule of dflash.md 6)")
+                   help="target layers to read (default: the default rule of docs/dflash.md 6)")
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                    help="start from this drafter checkpoint's weights (fine-tuning; same shapes and taps)")
     p.set_defaults(func=cmd_train_drafter)

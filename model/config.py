@@ -1,4 +1,4 @@
-"""config.json readers for the Qwen3 target and the DFlash drafter (dflash.md 6, qwen.md 1.1, 5).
+"""config.json readers for the Qwen3 target and the DFlash drafter (docs/dflash.md 6, docs/models.md 1.1, 5).
 
 Both readers accept the transformers 4.x and 5.x spellings (``rope_theta`` or
 ``rope_parameters.rope_theta``, ``torch_dtype`` or ``dtype``, ``layer_types`` present or not) and
@@ -199,7 +199,7 @@ def load_qwen3_config(model_dir) -> Qwen3Config:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Tap rule used when a drafter config lacks target_layer_ids (dflash.md 6)."""
+    """Tap rule used when a drafter config lacks target_layer_ids (docs/dflash.md 6)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -295,7 +295,7 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
     window = None
     if "sliding_attention" in types:
         window = r.int("sliding_window")
-    # Masks (dflash.md 1): full layers bidirectional, sliding layers causal inside the block; an
+    # Masks (docs/dflash.md 1): full layers bidirectional, sliding layers causal inside the block; an
     # explicit is_causal / dflash_config.causal overrides every layer.
     override = dcfg.get("causal", r.data.get("is_causal"))
     if override is not None and not isinstance(override, bool):

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter on the dk kernels (dflash.md 1-2).
+"""DFlash block-diffusion drafter on the dk kernels (docs/dflash.md 1-2).
 
 Context: each committed position p contributes, once, per layer ``k_norm(c Wk)`` (RoPE at p) and
 ``c Wv`` with ``c = hidden_norm(fc(taps_p))``; all layers' [Wk; Wv] run as one GEMM and the results
@@ -20,7 +20,7 @@ from .weights import as_f32, check_tensors, concat_rows, storage
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tuple]:
-    """Every tensor a DFlashDraftModel checkpoint must hold (dflash.md 6), names without prefix."""
+    """Every tensor a DFlashDraftModel checkpoint must hold (docs/dflash.md 6), names without prefix."""
     H = cfg.hidden_size
     shapes = {
         "fc.weight": (H, len(cfg.target_layer_ids) * target_hidden),

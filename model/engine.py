@@ -4,7 +4,7 @@
     res = engine.generate("Hello", max_new_tokens=64)          # greedy, k = block_size - 1
     res.token_ids, res.text, res.metrics.tau
 
-The loop is dflash.md section 3 for a batch of one; both the AR and the speculative paths go
+The loop is docs/dflash.md section 3 for a batch of one; both the AR and the speculative paths go
 through the same kernels and the same target-choice rule, so greedy outputs are identical and
 sampled outputs have the same distribution.
 """

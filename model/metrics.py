@@ -1,4 +1,4 @@
-"""Speculative decoding metrics (dflash.md 5), per generate() call and aggregated over calls.
+"""Speculative decoding metrics (docs/dflash.md 5), per generate() call and aggregated over calls.
 
 tau = mean over rounds of (accepted drafts + 1); acceptance rate = accepted / drafted;
 per-position acceptance = fraction of the rounds that drafted position i in which it was accepted;
@@ -137,5 +137,7 @@ def aggregate(metrics) -> Metrics:
 
 
 def speedup(tau: float, t_ar: float, t_draft: float, t_verify: float, t_accept: float) -> float:
-    """dflash.md 5: speedup(k) = tau(k) * T_ar / (T_draft + T_verify(k) + T_accept), times per round/step."""
+    """docs/dflash.md 5: speedup(k) = tau(k) * T_ar / (T_draft + T_verify(k) + T_accept).
+
+    Times are per round/step."""
     return tau * t_ar / (t_draft + t_verify + t_accept)

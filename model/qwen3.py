@@ -1,4 +1,4 @@
-"""Qwen3 dense target on the dk kernels (qwen.md 1.4): prefill, decode, verification of k+1 rows.
+"""Qwen3 dense target on the dk kernels (docs/models.md 1.4): prefill, decode, verification of k+1 rows.
 
 Everything is computed in float32 from bf16 (or f32) weights that the kernels read directly. Every
 forward appends its rows to a preallocated KV cache (post-k_norm, post-RoPE K; raw V) and returns
@@ -40,7 +40,7 @@ def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
 
 
 def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
-    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape (qwen.md 1.3)."""
+    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape (docs/models.md 1.3)."""
     H = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     for i in range(cfg.num_hidden_layers):

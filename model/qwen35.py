@@ -1,4 +1,4 @@
-"""Qwen3.5 hybrid target on the dk kernels (qwen.md 2.3-2.8): Gated DeltaNet + gated full attention.
+"""Qwen3.5 hybrid target on the dk kernels (docs/models.md 2.3-2.8): Gated DeltaNet + gated full attention.
 
 Same interface as ``Qwen3Model`` (forward / prefill / decode / verify / logits / greedy / new_cache,
 DFlash taps = the residual stream after each tapped layer, the last layer's final-normed as in HF).
@@ -31,7 +31,7 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower and the MTP head: n
 
 
 def qwen35_tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple]:
-    """Every text-model tensor a Qwen3.5 checkpoint must hold, with its shape (qwen.md 2.3)."""
+    """Every text-model tensor a Qwen3.5 checkpoint must hold, with its shape (docs/models.md 2.3)."""
     H, I, D, P = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.prefix
     shapes = {P + "embed_tokens.weight": (cfg.vocab_size, H), P + "norm.weight": (H,)}
     Hv = cfg.linear_num_value_heads

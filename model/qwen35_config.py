@@ -1,4 +1,4 @@
-"""config.json reader for Qwen3.5 hybrid targets (qwen.md 2.1, 2.2, 2.8) and the target-kind switch.
+"""config.json reader for Qwen3.5 hybrid targets (docs/models.md 2.1, 2.2, 2.8) and the target-kind switch.
 
 Two layouts are accepted:
 
@@ -102,7 +102,7 @@ def load_target_config(model_dir) -> Qwen3Config | Qwen35Config:
 
 def _layer_types(r: _Reader, n_layers: int) -> list[str]:
     types = r.data.get("layer_types")
-    if types is None:  # qwen.md 2.1: layer i is full attention iff (i + 1) % interval == 0
+    if types is None:  # docs/models.md 2.1: layer i is full attention iff (i + 1) % interval == 0
         interval = r.int("full_attention_interval", 4)
         return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers:
@@ -135,7 +135,7 @@ def _rotary(r: _Reader, head_dim: int) -> tuple[float, float, int]:
     if rotary_dim < 2 or rotary_dim % 2:
         r.fail(key, f"gives rotary dim int({head_dim} * {factor}) = {rotary_dim}; it must be even and >= 2")
     # mrope_section / mrope_interleaved: for text all three M-RoPE position streams are equal, so
-    # M-RoPE reduces exactly to plain partial RoPE (qwen.md 2.6.3); the fields are not needed.
+    # M-RoPE reduces exactly to plain partial RoPE (docs/models.md 2.6.3); the fields are not needed.
     return theta, float(factor), rotary_dim
 
 

@@ -12,7 +12,7 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer of a Qwen checkpoint (qwen.md 3.4). No BOS is ever added."""
+    """Byte-level BPE tokenizer of a Qwen checkpoint (docs/models.md 3.4). No BOS is ever added."""
 
     def __init__(self, path):
         from tokenizers import Tokenizer as _HFTokenizer
@@ -72,7 +72,7 @@ class StreamDecoder:
 
 
 def render_chat(messages, *, add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
-    """ChatML prompt (qwen.md 3.5) for plain system/user/assistant messages.
+    """ChatML prompt (docs/models.md 3.5) for plain system/user/assistant messages.
 
     messages: a str (one user turn) or a list of {"role", "content"} dicts. With
     enable_thinking=False the generation prompt gets an empty think block, as the official Qwen3

@@ -1,7 +1,7 @@
 """Trainable torch modules for a Qwen3 target and a DFlash drafter (autograd; used by training only).
 
-Parameter names are exactly the public checkpoint names (qwen.md 1.3, dflash.md 6), so a state_dict
-saved with `save_safetensors` loads in this library's inference layer, in transformers and in vLLM.
+Parameter names are exactly the public checkpoint names (docs/models.md 1.3, docs/dflash.md 6), so a
+state_dict saved with `save_safetensors` loads in this library's inference layer, in transformers and in vLLM.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Qwen3LM(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash drafter (dflash.md 1) with public names: fc, hidden_norm, layers.{i}.*, norm.
+    """DFlash drafter (docs/dflash.md 1) with public names: fc, hidden_norm, layers.{i}.*, norm.
 
     Training forward over many blocks at once: block n = [token at anchor_n, MASK...] at positions
     anchor_n .. anchor_n + B - 1 sees context features at positions < anchor_n and its own block

@@ -1,4 +1,4 @@
-"""Training the shipped pair on this CPU (dflash.md section 7): tokenizer, Qwen3 target, DFlash drafter.
+"""Training the shipped pair on this CPU (docs/dflash.md section 7): tokenizer, Qwen3 target, DFlash drafter.
 
 Commands (`dflash train-tokenizer | train-target | train-drafter`) write checkpoints in the public
 layout (bf16 safetensors, config.json, generation_config.json, tokenizer.json), resumable from
@@ -23,7 +23,7 @@ from .corpus import read_text, stdlib_files
 from .torch_qwen3 import DFlashDrafter, Qwen3LM, block_loss_weights, cosine_lr
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# The Qwen2/3 pre-tokenizer regex (qwen.md 3.1): digits split one by one.
+# The Qwen2/3 pre-tokenizer regex (docs/models.md 3.1): digits split one by one.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -104,7 +104,7 @@ def save_drafter(model: DFlashDrafter, out: Path, target_cfg: dict, taps: list[i
 
 
 def default_taps(n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """The default tap rule (dflash.md 6), clamped into range for tiny targets (L < 4)."""
+    """The default tap rule (docs/dflash.md 6), clamped into range for tiny targets (L < 4)."""
     return [min(max(i, 0), n_target_layers - 1) for i in default_target_layer_ids(n_target_layers, n_draft_layers)]
 
 
@@ -262,7 +262,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     """DFlash drafter on the target's greedy continuations: random anchors, block mask, decayed loss.
 
     init_from: a drafter checkpoint directory to start from (fine-tuning); ignored when resuming.
-    taps: target layer ids to read (default: the default rule, dflash.md 6).
+    taps: target layer ids to read (default: the default rule, docs/dflash.md 6).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

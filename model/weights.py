@@ -1,6 +1,6 @@
 """safetensors loading: memory-mapped, bf16 kept as bf16 (numpy uint16 bit patterns), checked.
 
-The safetensors format (qwen.md 1.5) is parsed here directly so that every tensor is a zero-copy,
+The safetensors format (docs/models.md 1.5) is parsed here directly so that every tensor is a zero-copy,
 read-only view of one ``numpy.memmap`` per file: a 16 GB bf16 checkpoint costs page cache, not a
 float32 copy. Sharded checkpoints are read through ``*.safetensors.index.json`` (shard names come
 from its weight_map, never guessed). Errors name the file and the tensor.

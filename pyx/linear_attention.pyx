@@ -4,7 +4,7 @@
 One value head per OpenMP task. The recurrence walks the state S (d_k, d_v) in blocks of 16 columns
 (column j of S only meets column j of v and o), carrying a (d_k, 16) block through all T tokens
 while it sits in L1; per token two passes: decay + kv = S^T k, then the rank-1 update + o = S^T q.
-The chunked form is the same math as a few small matrix products per chunk (qwen.md 2.7).
+The chunked form is the same math as a few small matrix products per chunk (docs/models.md 2.7).
 """
 
 import numpy as np

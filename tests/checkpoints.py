@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the exact public layout (qwen.md 1, 3, 6; dflash.md 6).
+"""Tiny random checkpoints in the exact public layout (docs/models.md 1, 3, 6; docs/dflash.md 6).
 
 Target: config.json (transformers 4.x or 5.x spelling), generation_config.json, tokenizer.json
 (a byte-level BPE trained here with ``tokenizers``), safetensors single file ``model.safetensors``

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3.5 checkpoints in the real public layouts (qwen.md 2.2, 2.3, 6).
+"""Tiny random Qwen3.5 checkpoints in the real public layouts (docs/models.md 2.2, 2.3, 6).
 
 Multimodal: ``Qwen3_5ForConditionalGeneration`` config with ``text_config`` (rope_parameters with
 partial_rotary_factor and the M-RoPE fields, layer_types and full_attention_interval) and a

@@ -71,7 +71,7 @@ def test_drafter_matches_reference_over_rounds(tmp_path, target_dir, name):
 
 
 def test_sliding_window_matters(tmp_path, target_dir):
-    """A sliding layer run as full attention gives different drafts at long context (dflash.md 9)."""
+    """A sliding layer run as full attention gives different drafts at long context (docs/dflash.md 9)."""
     d = write_dflash(tmp_path / "sl", target_dir, layers=2, block_size=8, target_layer_ids=(1,), sliding=True, window=3)
     target, drafter, dcfg, dt = build(target_dir, d)
     cache, ctx = target.new_cache(64), drafter.new_cache(64)

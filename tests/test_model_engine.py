@@ -104,7 +104,7 @@ def test_stop_tokens_only_new_tokens(hot):
         res = hot.generate(p, NEW_TOKENS, num_speculative_tokens=k, stop=[stop], ignore_eos=True)
         assert res.token_ids == ref[: cut + 1] and res.finish_reason == "stop", k
         assert res.text == hot.tokenizer.decode(ref[:cut])
-    # the drafter's mask id as a stop id never matches the drafted block (dflash.md 9)
+    # the drafter's mask id as a stop id never matches the drafted block (docs/dflash.md 9)
     mask = hot.drafter.cfg.mask_token_id
     if mask not in ref:
         assert hot.generate(p, NEW_TOKENS, stop=[mask], ignore_eos=True).token_ids == ref

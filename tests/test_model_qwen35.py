@@ -86,7 +86,7 @@ def test_configs_of_both_layouts(ckpt):
 
 
 def test_real_9b_config_values(tmp_path):
-    """The Qwen3.5-9B config.json as released (qwen.md 2.2, trimmed vision_config)."""
+    """The Qwen3.5-9B config.json as released (docs/models.md 2.2, trimmed vision_config)."""
     text = {
         "model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
@@ -106,7 +106,7 @@ def test_real_9b_config_values(tmp_path):
     assert (c.rotary_dim, c.rope_theta, c.conv_dim, c.lin_value_dim, c.q_dim) == (64, 1e7, 8192, 4096, 4096)
     assert c.full_layers == tuple(range(3, 32, 4)) and c.eos_token_ids == (248044,)
     shapes = dm.qwen35.qwen35_tensor_shapes(c)
-    assert len(shapes) == 427  # 3 + 24 * 14 + 8 * 11 text tensors (qwen.md 2.3)
+    assert len(shapes) == 427  # 3 + 24 * 14 + 8 * 11 text tensors (docs/models.md 2.3)
     assert shapes["model.language_model.layers.3.self_attn.q_proj.weight"] == (8192, 4096)
     assert shapes["model.language_model.layers.0.linear_attn.conv1d.weight"] == (8192, 1, 4)
 

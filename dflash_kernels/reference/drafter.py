@@ -1,4 +1,4 @@
-"""Reference DFlash drafter forward (dflash.md 1), plain torch, in the dtype of the inputs.
+"""Reference DFlash drafter forward (docs/dflash.md 1), plain torch, in the dtype of the inputs.
 
 Independent of the kernels and of the model layer's caching: it recomputes every context K/V from
 the full tap history on each call and builds the attention mask as an explicit boolean matrix.

@@ -1,6 +1,6 @@
 """Reference Gated DeltaNet ops of Qwen3.5 (torch), computed in the dtype of the inputs.
 
-The token-by-token recurrence is the oracle; the chunked form (shared docs qwen.md 2.7) exists to
+The token-by-token recurrence is the oracle; the chunked form (docs/models.md 2.7) exists to
 test the kernels' chunked prefill path and as the torch peer for prefill. Layouts:
 q, k (T, H_k, d_k); v (T, H_v, d_v); g, beta (T, H_v); state (H_v, d_k, d_v); value head h reads
 key head h // (H_v // H_k).
