@@ -58,11 +58,12 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
     if out.size and k == 0:  # an empty sum: only the bias is left
         out[...] = 0.0 if b is None else b
     elif out.size:
+        nt = resolve_threads(n_threads)  # once: it reads the environment
         if backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \
-                and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, resolve_threads(n_threads)):
-            torch_linear(x2, w, b, parts, out, resolve_threads(n_threads))  # measured faster here
+                and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt):
+            torch_linear(x2, w, b, parts, out, nt)  # measured faster here
         else:
-            run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=n_threads, parts=parts)
+            run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=nt, parts=parts)
     return wrap(out.reshape(*lead, n), is_torch(x))
 
 
