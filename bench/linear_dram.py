@@ -31,8 +31,9 @@ def _weights(s, n_layers: int, head: bool, rng) -> list[np.ndarray]:
 
 
 def model_step_gbs(shape: str, layers: int, threads: int, repeats: int = 5, head: bool = True) -> dict:
-    """linear at M=1 over a model step of DRAM-resident bf16 weights at the active tier, next to a
-    streaming read of the same bytes: {"gemv_gbs", "stream_gbs", "gb", "shape"}."""
+    """linear at M=1 over a model step of DRAM-resident bf16 weights at the active tier, row-major
+    and packed (dk.pack_weight), next to a streaming read of the same bytes:
+    {"gemv_gbs", "packed_gbs", "stream_gbs", "gb", "shape"}."""
     import dflash_kernels as dk
 
     dense = dk.kernel_module("dense", "cython")
@@ -46,7 +47,16 @@ def model_step_gbs(shape: str, layers: int, threads: int, repeats: int = 5, head
         for w, o in zip(mats, outs):
             dense.linear(xs[w.shape[1]], w, None, o, n_threads=threads)
 
-    return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / _median(step, repeats) / 1e9,
+    gemv_s = _median(step, repeats)
+    packed = [dk.pack_weight(w) for w in mats]
+    del mats, w  # the row-major copies: keep one set of weights in memory
+
+    def step_packed():
+        for p, o in zip(packed, outs):
+            dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=threads)
+
+    return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / gemv_s / 1e9,
+            "packed_gbs": n_bytes / _median(step_packed, repeats) / 1e9,
             "stream_gbs": stream_read_gbs(min(n_bytes, 2 << 30), threads)}
 
 
@@ -93,6 +103,18 @@ def main(argv=None) -> int:
             dense.set_amx_enabled(old)
             path = "GEMV" if m <= 4 else ("AMX" if amx and dense.amx_available() else "FMA")
             print(f"M={m:2d} {path:4s}: {t * 1e3:7.1f} ms  ({n_bytes / t / 1e9:5.1f} GB/s of weights)")
+    packed = [dk.pack_weight(w) for w in mats]
+    mats.clear()
+    for m in (1, 16):
+        xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in {p.shape[1] for p in packed}}
+        outs = [np.empty((m, p.shape[0]), np.float32) for p in packed]
+
+        def step_packed():
+            for p, o in zip(packed, outs):
+                dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=args.threads)
+
+        t = _median(step_packed, args.repeats)
+        print(f"M={m:2d} packed: {t * 1e3:7.1f} ms  ({n_bytes / t / 1e9:5.1f} GB/s of weights)")
     return 0
 
 

@@ -27,12 +27,96 @@ def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
     return wrap(out, is_torch(gate_up))
 
 
+PANEL = 16  # output columns per panel of a packed weight (pyx/dk_packed.h)
+
+
+class PackedWeight:
+    """A linear layer's weight (N, K), packed once into the layout of the "fma-packed" path.
+
+    The FMA tiers run 16-row blocks (verification, drafting, prefill) at 35-50% of their peak from
+    a row-major weight, and at 70-80% from this layout (pyx/dk_packed.h): panels of 16 output
+    columns, k-major, bf16 k-pairs in one 32-bit word. It costs one copy of the weight, made here;
+    ``linear`` then reads it in place. Build it with ``pack_weight`` or ``prepare_weight``.
+
+    Attributes: ``shape`` (N, K); ``dtype`` of the source (float32, or uint16 bf16 bit patterns);
+    ``data``, the packed values (1-D, read-only); ``nbytes``.
+    """
+
+    __slots__ = ("shape", "dtype", "data")
+
+    def __init__(self, shape, dtype, data):
+        self.shape, self.dtype, self.data = shape, dtype, data
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def unpack(self) -> np.ndarray:
+        """The weight (N, K) as it was given (exact: packing only moves values)."""
+        n, k = self.shape
+        n16 = -(-n // PANEL)
+        if self.dtype == np.uint16:
+            k2 = -(-k // 2)
+            w = self.data.view(np.uint32).reshape(n16, k2, PANEL).transpose(0, 2, 1).reshape(n16 * PANEL, k2)
+            return np.ascontiguousarray(w).view(np.uint16)[:n, :k].copy()
+        return self.data.reshape(n16, k, PANEL).transpose(0, 2, 1).reshape(n16 * PANEL, k)[:n].copy()
+
+    def __array__(self, dtype=None, copy=None):
+        """np.asarray(packed): the unpacked (N, K) weight."""
+        w = self.unpack()
+        return w if dtype is None else w.astype(dtype)
+
+    def __repr__(self) -> str:
+        dt = "bfloat16" if self.dtype == np.uint16 else "float32"
+        return f"PackedWeight(shape={self.shape}, dtype={dt})"
+
+
+def pack_weight(weight) -> PackedWeight:
+    """Pack a linear weight (N, K), float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns), for
+    ``linear``'s "fma-packed" path. Makes one copy; the source is not kept."""
+    w = float_array(weight, "weight", ndim=2)
+    n, k = w.shape
+    n16 = -(-n // PANEL)
+    if w.dtype == np.uint16:
+        # a 32-bit word holds the k-pair (2q, 2q + 1) of one row: move words, not halves
+        k2 = -(-k // 2)
+        if n % PANEL or k % 2:
+            padded = np.zeros((n16 * PANEL, 2 * k2), np.uint16)
+            padded[:n, :k] = w
+            w = padded
+        words = np.ascontiguousarray(w).view(np.uint32)  # (N16 * 16, K2)
+        data = np.ascontiguousarray(words.reshape(n16, PANEL, k2).transpose(0, 2, 1)).view(np.uint16).ravel()
+    else:
+        if n % PANEL:
+            padded = np.zeros((n16 * PANEL, k), np.float32)
+            padded[:n] = w
+            w = padded
+        data = np.ascontiguousarray(w.reshape(n16, PANEL, k).transpose(0, 2, 1)).ravel()
+    data.flags.writeable = False
+    return PackedWeight((n, k), w.dtype, data)
+
+
+def prepare_weight(weight, *, precision=None, backend="auto"):
+    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where its blocks
+    would run on FMA (the avx2 and avx512 tiers; fp32 weights on every tier), else ``weight``
+    unchanged (bf16 on AMX tiles, or on vdpbf16ps where that pays, read the row-major layout).
+    For callers that keep a weight for many calls (a model's layers); see ``PackedWeight``."""
+    if isinstance(weight, PackedWeight):
+        return weight
+    w = float_array(weight, "weight", ndim=2)
+    name, mod = resolve(backend, "dense")
+    if name != "cython" or not w.size or not mod.packed_pays(w.shape[1], w.shape[0], w.dtype == np.uint16,
+                                                              precision_parts(precision)):
+        return weight
+    return pack_weight(w)
+
+
 def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="auto"):
     """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
 
     x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
     place (bf16 is upcast inside the kernel, never as a whole matrix; read-only / memory-mapped
-    weights are fine). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
+    weights are fine), or a ``PackedWeight`` (``prepare_weight``: the FMA tiers' fast layout). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
     precision: "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two
     or one bf16 parts, see ``set_matmul_precision``); None = the process default.
     With backend="auto", shapes that ``tune_linear`` measured faster in torch here run in torch.
@@ -42,7 +126,8 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
     if getattr(x, "ndim", 1) < 1:
         raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
     xa = f32_array(x, "x")
-    w = float_array(weight, "weight", ndim=2)
+    packed = weight if isinstance(weight, PackedWeight) else None
+    w = packed if packed is not None else float_array(weight, "weight", ndim=2)
     n, k = w.shape
     if xa.shape[-1] != k:
         raise ValueError(f"x and weight disagree on K: x has shape {xa.shape} (K={xa.shape[-1]}), "
@@ -59,7 +144,13 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
         out[...] = 0.0 if b is None else b
     elif out.size:
         nt = resolve_threads(n_threads)  # once: it reads the environment
-        if backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \
+        if packed is not None:
+            name, mod = resolve(backend, "dense")
+            if name == "cython":
+                mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts)
+            else:  # the other backends read the row-major layout
+                run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
+        elif backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \
                 and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt):
             torch_linear(x2, w, b, parts, out, nt)  # measured faster here
         else:

@@ -54,6 +54,7 @@ class Ops:
         # public path.
         name = self.kw["backend"]
         self._dense = dk.kernel_module("dense", name) if name in ("cython", "numba") else None
+        self._linear_packed = getattr(self._dense, "linear_packed", None)  # Cython only
         self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
@@ -62,6 +63,14 @@ class Ops:
         # on avx512_bf16; inside a Qwen3-1.7B-shape verification on avx512, with the memory-mapped
         # head, 373 ms through denoise_block), and the (rows, V) float32 logits are small
         self.block_head_linear = name == "cython"
+
+    def prepare(self, w):
+        """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: packed on the FMA
+        tiers, a copy; unchanged where AMX or vdpbf16ps read it in place). Tuples (unfused,
+        memory-mapped weights) stay as they are."""
+        if isinstance(w, tuple):
+            return w
+        return dk.prepare_weight(w, precision=self.precision, backend=self.kw["backend"])
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""
@@ -72,7 +81,13 @@ class Ops:
 
     def _matmul(self, x, w):
         self.linear_shapes.update((p.shape[0], p.shape[1]) for p in (w if isinstance(w, tuple) else (w,)))
-        if isinstance(w, tuple):
+        if isinstance(w, dk.PackedWeight):
+            if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
+                out = np.empty((x.shape[0], w.shape[0]), np.float32)
+                self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts)
+            else:
+                out = dk.linear(x, w, precision=self.precision, **self.kw)
+        elif isinstance(w, tuple):
             out = np.concatenate([dk.linear(x, part, precision=self.precision, **self.kw) for part in w],
                                  axis=-1)
         elif (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
@@ -152,7 +167,8 @@ class Ops:
     def argmax_tokens(self, hidden, lm_head):
         """Greedy token per row of final-normed hidden: argmax of hidden @ lm_head^T, first on ties."""
         t = perf_counter()
-        if hidden.shape[0] <= 4 or (self.block_head_linear and hidden.shape[0] <= 64):
+        if hidden.shape[0] <= 4 or (self.block_head_linear and hidden.shape[0] <= 64) \
+                or isinstance(lm_head, dk.PackedWeight):
             # Decode: linear's read-once GEMV path streams the LM head ~1.7x faster than
             # denoise_block's vocab-chunked tiles (measured on 151936 x 1024 bf16: 16.9 vs 28.9 ms),
             # and (1..4, V) logits are small; np.argmax keeps the first index on ties. Draft blocks

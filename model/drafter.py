@@ -75,7 +75,8 @@ class DFlashDrafter:
         self.cfg, self.ops, self.eps = cfg, ops or Ops(), cfg.rms_norm_eps
         self.embed, self.lm_head = embed, lm_head
         t = {k: storage(v) for k, v in tensors.items()}
-        self.fc = t["fc.weight"]
+        prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
+        self.fc = prep(t["fc.weight"])
         self.hidden_norm = as_f32(t["hidden_norm.weight"])
         self.norm = as_f32(t["norm.weight"])
         self.mask_embedding = as_f32(embed[cfg.mask_token_id : cfg.mask_token_id + 1])  # (1, H), row as stored
@@ -88,18 +89,18 @@ class DFlashDrafter:
             kv_rows += [wk, wv]
             self.layers.append(_DraftLayer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
-                w_qkv=concat_rows(t[a + "q_proj.weight"], wk, wv, fuse=fuse),
+                w_qkv=prep(concat_rows(t[a + "q_proj.weight"], wk, wv, fuse=fuse)),
                 q_norm=as_f32(t[a + "q_norm.weight"]),
                 k_norm=as_f32(t[a + "k_norm.weight"]),
-                w_o=t[a + "o_proj.weight"],
+                w_o=prep(t[a + "o_proj.weight"]),
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
-                w_gate_up=concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse),
-                w_down=t[m + "down_proj.weight"],
+                w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
+                w_down=prep(t[m + "down_proj.weight"]),
                 causal=cfg.causal[i],
                 window=cfg.window(i),
             ))
         # Context rows are never queried: one GEMM gives every layer's K and V.
-        self.w_kv_all = concat_rows(*kv_rows)  # (layers * 2 kv_dim, H) [Wk_0; Wv_0; Wk_1; ...]
+        self.w_kv_all = prep(concat_rows(*kv_rows))  # (layers * 2 kv_dim, H) [Wk_0; Wv_0; Wk_1; ...]
 
     def new_cache(self, max_len: int) -> ContextCache:
         c = self.cfg

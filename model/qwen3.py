@@ -120,7 +120,10 @@ class Qwen3Model(TargetBase):
         self.prefill_chunk = prefill_chunk
         t = {k: storage(v) for k, v in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]  # (V, H)
+        # the matmul weights in linear's fastest layout here (packed on the FMA tiers: a copy, so
+        # only when fusing; unfused weights stay memory-mapped)
+        prep = self.ops.prepare if fuse else (lambda w: w)
+        self.lm_head = prep(self.embed if cfg.tie_word_embeddings else t["lm_head.weight"])  # (V, H)
         self.norm = as_f32(t["model.norm.weight"])
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -129,14 +132,14 @@ class Qwen3Model(TargetBase):
             window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
             self.layers.append(_Layer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
-                w_qkv=concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
-                                  fuse=fuse),
+                w_qkv=prep(concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
+                                       fuse=fuse)),
                 q_norm=as_f32(t[a + "q_norm.weight"]),
                 k_norm=as_f32(t[a + "k_norm.weight"]),
-                w_o=t[a + "o_proj.weight"],
+                w_o=prep(t[a + "o_proj.weight"]),
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
-                w_gate_up=concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse),
-                w_down=t[m + "down_proj.weight"],
+                w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
+                w_down=prep(t[m + "down_proj.weight"]),
                 window=window,
             ))
         self.set_taps(tap_layer_ids)

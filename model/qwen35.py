@@ -180,7 +180,8 @@ class Qwen35Model(TargetBase):
         t = {k: storage(v) for k, v in tensors.items()}
         P = cfg.prefix
         self.embed = t[P + "embed_tokens.weight"]  # (V, H), memory-mapped
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
+        self.lm_head = prep(self.embed if cfg.tie_word_embeddings else t["lm_head.weight"])
         self.norm = as_f32(t[P + "norm.weight"])
         self.layers = []
         n_full = n_lin = 0
@@ -189,32 +190,32 @@ class Qwen35Model(TargetBase):
             if kind == "full_attention":
                 a = p + "self_attn."
                 mixer = _FullLayer(
-                    w_qkv=concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
-                                      fuse=fuse),
+                    w_qkv=prep(concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"],
+                                           t[a + "v_proj.weight"], fuse=fuse)),
                     q_norm=as_f32(t[a + "q_norm.weight"]),
                     k_norm=as_f32(t[a + "k_norm.weight"]),
-                    w_o=t[a + "o_proj.weight"],
+                    w_o=prep(t[a + "o_proj.weight"]),
                 )
                 slot, n_full = n_full, n_full + 1
             else:
                 a = p + "linear_attn."
                 conv = t[a + "conv1d.weight"]
                 mixer = _LinearLayer(
-                    w_in=concat_rows(t[a + "in_proj_qkv.weight"], t[a + "in_proj_z.weight"],
-                                     t[a + "in_proj_b.weight"], t[a + "in_proj_a.weight"], fuse=fuse),
+                    w_in=prep(concat_rows(t[a + "in_proj_qkv.weight"], t[a + "in_proj_z.weight"],
+                                          t[a + "in_proj_b.weight"], t[a + "in_proj_a.weight"], fuse=fuse)),
                     conv=conv.reshape(conv.shape[0], conv.shape[2]),
                     neg_a=-np.exp(as_f32(t[a + "A_log"])),  # fp32, as HF's A_log.float().exp()
                     dt_bias=as_f32(t[a + "dt_bias"]),
                     norm=as_f32(t[a + "norm.weight"]),
-                    w_out=t[a + "out_proj.weight"],
+                    w_out=prep(t[a + "out_proj.weight"]),
                 )
                 slot, n_lin = n_lin, n_lin + 1
             m = p + "mlp."
             self.layers.append(_Layer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
-                w_gate_up=concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse),
-                w_down=t[m + "down_proj.weight"],
+                w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
+                w_down=prep(t[m + "down_proj.weight"]),
                 mixer=mixer,
                 slot=slot,
             ))

@@ -48,6 +48,12 @@ cdef extern from "dk_bf16dot.h" nogil:
     void dk_dp_block(long M, long K, long N, long nlo, long nhi, int parts, const unsigned short *xb,
                      const unsigned short *w, const float *bias, float *out, void *spill)
 
+cdef extern from "dk_packed.h" nogil:
+    int DK_PK_NV, DK_PK_COLS
+    long dk_pk_panel_elems(long K, int bf16)
+    void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
+                   const void *P, const float *bias, float *out)
+
 cdef extern from "dk_amx.h" nogil:
     int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_MB
     int dk_amx_ready()
@@ -90,7 +96,8 @@ cdef enum:
     PATH_FMA_BLOCK = 1    # larger M: K-chunked register tiles on FMA
     PATH_BF16DOT = 2      # vdpbf16ps over packed activation parts (precision "high" / "medium")
     PATH_AMX = 3          # AMX-BF16 tiles
-_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx")
+    PATH_FMA_PACKED = 4   # weights packed at load (dk_packed.h): broadcast register tiles on FMA
+_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed")
 cdef int _last_path = -1
 
 
@@ -149,6 +156,15 @@ cdef int _choose_path(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int p
     if bf16 and DK_DP_BUILT and parts < 3 and _dp_pays == 1:
         return PATH_BF16DOT
     return PATH_FMA_GEMV if M <= DK_MR else PATH_FMA_BLOCK
+
+
+def packed_pays(Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
+    """Whether packing a weight (N, K) for linear_packed beats its row-major paths on this tier at
+    `parts` activation parts: yes wherever its blocks (M > DK_MR) would run on FMA; no where they
+    take AMX tiles or vdpbf16ps, which read the row-major layout."""
+    if bf16 and parts < 3:
+        bf16dot_pays()
+    return _choose_path(DK_MR + 1, K, N, bf16, parts) == PATH_FMA_BLOCK
 
 
 def path_name(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
@@ -339,6 +355,59 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
         free(xpad)
     finally:
         free(xr)
+
+
+def packed_elems(Py_ssize_t K, bint bf16):
+    """Elements (uint16 for bf16, else float32) of one 16-column panel of a packed weight with K
+    columns; a packed (N, K) weight holds ceil(N / 16) of them (layout: dk_packed.h)."""
+    return dk_pk_panel_elems(K, bf16)
+
+
+def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::1] bias, float[:, ::1] out,
+                  *, int n_threads, int parts=3):
+    """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
+    panels of packed_elems(K) values, fp32 or bf16 bit patterns). N is out's width."""
+    global _last_path
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1], m
+    cdef int bf16 = 0 if wtype is float else 1
+    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
+    cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV, g
+    if packed.shape[0] != npanels * dk_pk_panel_elems(K, bf16) or out.shape[0] != M \
+            or (bias is not None and bias.shape[0] != N):
+        raise ValueError(f"linear_packed: packed weight of {packed.shape[0]} values does not fit x {(M, K)}, "
+                         f"out {(out.shape[0], N)}")
+    _last_path = PATH_FMA_PACKED
+    if M == 0 or N == 0:
+        return
+    if K == 0:  # an empty sum: only the bias is left
+        for m in range(M):
+            for g in range(N):
+                out[m, g] = 0.0 if bias is None else bias[g]
+        return
+    cdef const void *wp = <const void *> &packed[0]
+    cdef const float *bp = NULL if bias is None else &bias[0]
+    cdef float *op = &out[0, 0]
+    cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
+    # tiles broadcast from DK_PK_MR rows at once, which a 4 KiB-multiple stride would put into one
+    # L1 set.
+    cdef Py_ssize_t ldx = (K + 15) // 16 * 16 + 16
+    cdef float *xpad = <float *> malloc(max(M * ldx, 1) * sizeof(float))
+    if xpad == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            for m in range(M):
+                if parts < 3:
+                    dk_round_rows(K, &x[m, 0], parts, &xpad[m * ldx])
+                elif K:
+                    memcpy(&xpad[m * ldx], &x[m, 0], K * sizeof(float))
+        # static: a contiguous run of panels per thread (one stream per panel for the prefetchers);
+        # each output is computed by one thread in a fixed order whatever the split
+        for g in prange(ngroups, nogil=True, num_threads=min(nt, ngroups), schedule="static"):
+            dk_pk_run(M, K, N, g * DK_PK_NV, min(npanels, (g + 1) * DK_PK_NV), bf16, xpad, ldx, wp, bp, op)
+    finally:
+        free(xpad)
 
 
 def silu_and_mul(const float[:, ::1] x, float[:, ::1] out, *, int n_threads):

@@ -1,0 +1,189 @@
+/* linear over weights packed once at load ("fma-packed"): panels of 16 output columns, k-major.
+
+Why: the k-vector register tiles of dk_dense.h (acc[i][j] += x_i[k:k+VW] * w_j[k:k+VW], the lanes
+summed at the end) peak near 60% of the FMA rate even in L1: every FMA needs a fresh x or w vector
+and the lanes must be reduced. With the outputs as the vector lanes instead,
+    acc[i][v] += broadcast(x[i, k]) * panel[k, v*VW : (v+1)*VW],
+an MR x NV tile of accumulators costs NV panel loads and MR broadcasts per MR * NV FMAs. That needs
+the weights k-major, and transposing them per call costs more than it saves at M = 16 (measured:
+0.83-1.02x). So they are transposed once, at load, into this layout:
+
+    bf16 weights (N, K) -> uint16 P[N16][K2][16][2], N16 = ceil(N / 16), K2 = ceil(K / 2),
+                           P[p][q][j][e] = w[16 p + j, 2 q + e]  (zero beyond N and K)
+    fp32 weights (N, K) -> float  P[N16][K][16],     P[p][k][j]  = w[16 p + j, k]
+
+A bf16 k-pair row of a panel is one 64-byte line of 16 32-bit words (the layout AMX and vdpbf16ps
+call VNNI): the low half of a word is the even-k weight, the high half the odd-k one, so
+word << 16 and word & 0xFFFF0000 are their fp32 values, one ALU op per 16 (avx512) or 8 (avx2)
+weights, with no shuffle. Each panel is one contiguous stream, which the hardware prefetchers
+follow; M = 1 reads it once, at streaming speed.
+
+Summation order: per output, k ascending within a K chunk of DK_PK_KC, chunk sums added to out in
+chunk order. It depends on neither the thread count nor M (row i's result is the same whatever
+rows come with it), and the bf16 and fp32 layouts sum identically. */
+#ifndef DK_PACKED_H
+#define DK_PACKED_H
+
+#include "dk_dense.h"
+
+/* The extensions are built with -fassociative-math (setup.py), under which gcc turned
+   acc += xe * we; acc += xo * wo into a multiply, an FMA and an add (3 ops for 2). This header's
+   sums are written in the order they should run. */
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+
+#define DK_PK_COLS 16                  /* output columns per panel, every tier */
+#define DK_PK_VPP (DK_PK_COLS / DK_VW) /* vectors per panel row: 1 zmm, 2 ymm */
+#if DK_VW == 16
+#define DK_PK_MR 8                     /* 8 rows x 3 panels: 24 zmm accumulators of 32 */
+#define DK_PK_NV 3
+#else
+#define DK_PK_MR 6                     /* 6 rows x 1 panel (2 ymm): 12 of 16 ymm */
+#define DK_PK_NV 1
+#endif
+#ifndef DK_PK_KC
+#define DK_PK_KC 256                   /* k per chunk: NV panels' chunk stays in L1 for every row tile */
+#endif
+#ifndef DK_PK_PF
+#define DK_PK_PF 1024                  /* prefetch distance (bytes) along each panel in a chunk's first row tile */
+#endif
+
+/* Elements (uint16 or float) per panel */
+static inline long dk_pk_panel_elems(long K, int bf16) {
+    return bf16 ? (K + 1) / 2 * 32 : K * DK_PK_COLS;
+}
+
+/* One tile: rows [0, mr) of x (row stride ldx) times panels [0, nv) of P from k0 for kc k (k0, kc
+   even, except a last odd kc), into out (row stride ldo; the first ncols <= nv * 16 columns). first:
+   the chunk's sums are stored, else added to out; bias (last chunk only) is added after. */
+DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long kc, const float *x,
+                      long ldx, const void *P, long pstride, int first, const float *bias, float *out,
+                      long ldo, long ncols, int pf) {
+    dk_vf acc[DK_PK_MR][DK_PK_NV * DK_PK_VPP];
+    const int nvec = nv * DK_PK_VPP;
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)P + k0 / 2 * 32;
+        long pairs = kc / 2;
+        for (long q = 0; q < pairs; q++) {
+            const float *xk = x + k0 + 2 * q;
+            /* even k for every row, then odd k: nvec weight vectors live at a time, not 2 nvec
+               (8 x 3 tile: 24 accumulators + 3 + a broadcast fit the 32 zmm) */
+            dk_vu u[DK_PK_NV * DK_PK_VPP];
+            dk_vf w[DK_PK_NV * DK_PK_VPP];
+            if (pf)
+                for (int v = 0; v < nvec; v += DK_PK_VPP)
+                    __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + q * 32 + DK_PK_PF / 2, 0, 3);
+            for (int v = 0; v < nvec; v++) {
+                memcpy(&u[v], p + (v / DK_PK_VPP) * pstride + q * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u[v]);
+                w[v] = (dk_vf)(u[v] << 16);
+            }
+            for (int i = 0; i < mr; i++) {
+                dk_vf xe = (dk_vf){0} + xk[i * ldx];
+                for (int v = 0; v < nvec; v++) acc[i][v] += xe * w[v];
+            }
+            for (int v = 0; v < nvec; v++) w[v] = (dk_vf)(u[v] & 0xFFFF0000u);
+            for (int i = 0; i < mr; i++) {
+                dk_vf xo = (dk_vf){0} + xk[i * ldx + 1];
+                for (int v = 0; v < nvec; v++) acc[i][v] += xo * w[v];
+            }
+        }
+        if (kc % 2) {  /* odd K: the last pair holds one weight (x[K] does not exist) */
+            const float *xk = x + k0 + 2 * pairs;
+            for (int v = 0; v < nvec; v++) {
+                dk_vu u;
+                memcpy(&u, p + (v / DK_PK_VPP) * pstride + pairs * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u);
+                dk_vf w = (dk_vf)(u << 16);
+                for (int i = 0; i < mr; i++) acc[i][v] += ((dk_vf){0} + xk[i * ldx]) * w;
+            }
+        }
+    } else {
+        const float *p = (const float *)P + k0 * DK_PK_COLS;
+        for (long k = 0; k < kc; k++) {
+            dk_vf w[DK_PK_NV * DK_PK_VPP];
+            for (int v = 0; v < nvec; v++)
+                w[v] = dk_load(p + (v / DK_PK_VPP) * pstride + k * DK_PK_COLS + (v % DK_PK_VPP) * DK_VW);
+            for (int i = 0; i < mr; i++) {
+                dk_vf xb = (dk_vf){0} + x[i * ldx + k0 + k];
+                for (int v = 0; v < nvec; v++) acc[i][v] += xb * w[v];
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float *o = out + i * ldo;
+        if (ncols == nvec * DK_VW) {
+            for (int v = 0; v < nvec; v++) {
+                dk_vf s = acc[i][v];
+                if (!first) s += dk_load(o + v * DK_VW);
+                if (bias) s += dk_load(bias + v * DK_VW);
+                dk_store(o + v * DK_VW, s);
+            }
+        } else {  /* the last panel group, N % 16 != 0: element by element, through a buffer
+                     (indexing acc at run time would move every accumulator out of registers) */
+            float t[DK_PK_NV * DK_PK_COLS];
+            for (int v = 0; v < nvec; v++) dk_store(t + v * DK_VW, acc[i][v]);
+            for (long j = 0; j < ncols; j++) {
+                float s = t[j];
+                if (!first) s += o[j];
+                if (bias) s += bias[j];
+                o[j] = s;
+            }
+        }
+    }
+}
+
+/* mr and nv as compile-time constants (accumulators in registers) */
+static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const float *x, long ldx,
+                           const void *P, long pstride, int first, const float *bias, float *out,
+                           long ldo, long ncols, int pf) {
+#define DK_PK_T(MR_, NV_) \
+    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf); \
+    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf);
+#if DK_PK_NV == 3
+#define DK_PK_NVS(MR_) \
+    if (nv == 3) { DK_PK_T(MR_, 3) } else if (nv == 2) { DK_PK_T(MR_, 2) } else { DK_PK_T(MR_, 1) }
+#else
+#define DK_PK_NVS(MR_) DK_PK_T(MR_, 1)
+#endif
+    switch (mr) {
+    case 1: DK_PK_NVS(1) break;
+    case 2: DK_PK_NVS(2) break;
+    case 3: DK_PK_NVS(3) break;
+    case 4: DK_PK_NVS(4) break;
+    case 5: DK_PK_NVS(5) break;
+    case 6: DK_PK_NVS(6) break;
+#if DK_PK_MR > 6
+    case 7: DK_PK_NVS(7) break;
+    case 8: DK_PK_NVS(8) break;
+#endif
+    }
+#undef DK_PK_NVS
+#undef DK_PK_T
+}
+
+/* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
+   [plo, phi) of P, DK_PK_NV at a time: for each K chunk, the group's chunk of panels stays in L1
+   while every DK_PK_MR-row tile of x passes it. */
+static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
+                      const void *P, const float *bias, float *out) {
+    const long pstride = dk_pk_panel_elems(K, bf16), esz = bf16 ? 2 : 4;
+    for (long p0 = plo; p0 < phi; p0 += DK_PK_NV) {
+        int nv = phi - p0 < DK_PK_NV ? (int)(phi - p0) : DK_PK_NV;
+        long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
+        const char *pg = (const char *)P + p0 * pstride * esz;
+        for (long k0 = 0; k0 < K; k0 += DK_PK_KC) {
+            long kc = K - k0 < DK_PK_KC ? K - k0 : DK_PK_KC;
+            int first = k0 == 0, last = k0 + kc == K;
+            for (long i = 0; i < M; i += DK_PK_MR) {
+                int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
+                dk_pk_tile_any(mr, nv, bf16, k0, kc, x + i * ldx, ldx, pg, pstride, first,
+                               last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, i == 0);
+            }
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+#endif /* DK_PACKED_H */
