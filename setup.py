@@ -121,6 +121,8 @@ def _extensions():
                 include_dirs=[np.get_include(), str(HERE / "pyx")],
                 extra_compile_args=[*OPT_FLAGS, *march, *FLOAT_FLAGS, *omp_compile],
                 extra_link_args=omp_link,
+                # the kernels live in headers: an edit to one rebuilds the modules
+                depends=[str(h.relative_to(HERE)) for h in sorted((HERE / "pyx").glob("*.h"))],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                                ("DK_TIER", f'"{tier}"')],
             ))

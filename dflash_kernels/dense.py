@@ -34,9 +34,11 @@ class PackedWeight:
     """A linear layer's weight (N, K), packed once into the layout of the "fma-packed" path.
 
     The FMA tiers run 16-row blocks (verification, drafting, prefill) at 35-50% of their peak from
-    a row-major weight, and at 70-80% from this layout (pyx/dk_packed.h): panels of 16 output
-    columns, k-major, bf16 k-pairs in one 32-bit word. It costs one copy of the weight, made here;
-    ``linear`` then reads it in place. Build it with ``pack_weight`` or ``prepare_weight``.
+    a row-major weight, and at 65-80% from this layout (pyx/dk_packed.h): panels of 16 output
+    columns, k-major, bf16 k-pairs in one 32-bit word (AMX's B-tile layout, which the AMX tier
+    loads as it is). M = 1 streams it at the speed of a plain read. It costs one copy of the
+    weight, made here; ``linear`` then reads it in place. Build it with ``pack_weight`` or
+    ``prepare_weight``.
 
     Attributes: ``shape`` (N, K); ``dtype`` of the source (float32, or uint16 bf16 bit patterns);
     ``data``, the packed values (1-D, read-only); ``nbytes``.
@@ -56,7 +58,7 @@ class PackedWeight:
         n, k = self.shape
         n16 = -(-n // PANEL)
         if self.dtype == np.uint16:
-            k2 = -(-k // 2)
+            k2 = -(-k // 32) * 16
             w = self.data.view(np.uint32).reshape(n16, k2, PANEL).transpose(0, 2, 1).reshape(n16 * PANEL, k2)
             return np.ascontiguousarray(w).view(np.uint16)[:n, :k].copy()
         return self.data.reshape(n16, k, PANEL).transpose(0, 2, 1).reshape(n16 * PANEL, k)[:n].copy()
@@ -78,9 +80,10 @@ def pack_weight(weight) -> PackedWeight:
     n, k = w.shape
     n16 = -(-n // PANEL)
     if w.dtype == np.uint16:
-        # a 32-bit word holds the k-pair (2q, 2q + 1) of one row: move words, not halves
-        k2 = -(-k // 2)
-        if n % PANEL or k % 2:
+        # a 32-bit word holds the k-pair (2q, 2q + 1) of one row: move words, not halves. K is
+        # padded to whole AMX steps of 32 (zeros), so that the AMX tiles read the same layout.
+        k2 = -(-k // 32) * 16
+        if n % PANEL or 2 * k2 != k:
             padded = np.zeros((n16 * PANEL, 2 * k2), np.uint16)
             padded[:n, :k] = w
             w = padded
@@ -97,9 +100,9 @@ def pack_weight(weight) -> PackedWeight:
 
 
 def prepare_weight(weight, *, precision=None, backend="auto"):
-    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where its blocks
-    would run on FMA (the avx2 and avx512 tiers; fp32 weights on every tier), else ``weight``
-    unchanged (bf16 on AMX tiles, or on vdpbf16ps where that pays, read the row-major layout).
+    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` on the FMA and
+    AMX paths, else ``weight`` unchanged (bf16 blocks on vdpbf16ps, where that pays, read the
+    row-major layout).
     For callers that keep a weight for many calls (a model's layers); see ``PackedWeight``."""
     if isinstance(weight, PackedWeight):
         return weight

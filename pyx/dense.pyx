@@ -53,6 +53,12 @@ cdef extern from "dk_packed.h" nogil:
     long dk_pk_panel_elems(long K, int bf16)
     void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
                    const void *P, const float *bias, float *out)
+    long dk_pk_kpad(long K)
+    long dk_pk_amx_rows(long M)
+    int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, long ldx, int parts,
+                        unsigned short *xb)
+    void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const unsigned short *xb,
+                   const unsigned short *P, const float *bias, float *out)
 
 cdef extern from "dk_amx.h" nogil:
     int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_MB
@@ -97,7 +103,8 @@ cdef enum:
     PATH_BF16DOT = 2      # vdpbf16ps over packed activation parts (precision "high" / "medium")
     PATH_AMX = 3          # AMX-BF16 tiles
     PATH_FMA_PACKED = 4   # weights packed at load (dk_packed.h): broadcast register tiles on FMA
-_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed")
+    PATH_AMX_PACKED = 5   # weights packed at load: AMX tiles (M > DK_MR, bf16)
+_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed")
 cdef int _last_path = -1
 
 
@@ -160,11 +167,11 @@ cdef int _choose_path(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int p
 
 def packed_pays(Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
     """Whether packing a weight (N, K) for linear_packed beats its row-major paths on this tier at
-    `parts` activation parts: yes wherever its blocks (M > DK_MR) would run on FMA; no where they
-    take AMX tiles or vdpbf16ps, which read the row-major layout."""
+    `parts` activation parts: yes on FMA (fma-packed) and AMX (amx-packed); no where its blocks
+    (M > DK_MR) would take vdpbf16ps, which reads the row-major layout."""
     if bf16 and parts < 3:
         bf16dot_pays()
-    return _choose_path(DK_MR + 1, K, N, bf16, parts) == PATH_FMA_BLOCK
+    return _choose_path(DK_MR + 1, K, N, bf16, parts) != PATH_BF16DOT
 
 
 def path_name(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
@@ -363,6 +370,30 @@ def packed_elems(Py_ssize_t K, bint bf16):
     return dk_pk_panel_elems(K, bf16)
 
 
+cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const float *bp, float *op,
+                            Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt):
+    """amx-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
+    cdef Py_ssize_t rows = dk_pk_amx_rows(M), nblk = rows // 16, b, g, finite = 0
+    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS, nitems = (npanels + 1) // 2
+    cdef unsigned short *xb = <unsigned short *> aligned_alloc(
+        64, (parts * rows * dk_pk_kpad(K) * sizeof(unsigned short) + 63) // 64 * 64)
+    if xb == NULL:
+        raise MemoryError()
+    for b in prange(nblk, nogil=True, num_threads=min(nt, nblk)):
+        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, xb)
+    if finite != nblk:
+        free(xb)
+        return 0
+    with nogil, parallel(num_threads=min(nt, nitems)):
+        dk_amx_begin()
+        # static: a contiguous run of panels per thread, each panel one stream
+        for g in prange(nitems, schedule="static"):
+            dk_pk_amx(M, K, N, 2 * g, min(<Py_ssize_t> 2, npanels - 2 * g), parts, xb, P, bp, op)
+        dk_amx_end()
+    free(xb)
+    return 1
+
+
 def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::1] bias, float[:, ::1] out,
                   *, int n_threads, int parts=3):
     """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
@@ -388,6 +419,11 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
     cdef const float *bp = NULL if bias is None else &bias[0]
     cdef float *op = &out[0, 0]
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    if bf16 and M > DK_MR and _amx_enabled and DK_AMX_BUILT and dk_amx_ready():
+        _last_path = PATH_AMX_PACKED
+        if _linear_packed_amx(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
+            return
+        _last_path = PATH_FMA_PACKED  # inf / NaN in x: IEEE results from the FMA tiles
     # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
     # tiles broadcast from DK_PK_MR rows at once, which a 4 KiB-multiple stride would put into one
     # L1 set.

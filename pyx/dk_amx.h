@@ -58,14 +58,17 @@ typedef struct {
     uint8_t rows[16];
 } dk_tilecfg;
 
+/* Every tile 16 rows x 64 bytes. A constant: gcc 12 dropped the stores that filled a local copy
+   as dead once dk_amx_begin was no longer inlined (the builtin's read of it is not seen), and
+   ldtilecfg then faulted on the half-filled config. */
+static const dk_tilecfg dk_amx_cfg = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
 /* Per thread, before its first tile instruction. */
-static void dk_amx_begin(void) {
-    dk_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
+static void dk_amx_begin(void) { _tile_loadconfig(&dk_amx_cfg); }
 
 static void dk_amx_end(void) { _tile_release(); }
 

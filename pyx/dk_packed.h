@@ -8,7 +8,7 @@ an MR x NV tile of accumulators costs NV panel loads and MR broadcasts per MR * 
 the weights k-major, and transposing them per call costs more than it saves at M = 16 (measured:
 0.83-1.02x). So they are transposed once, at load, into this layout:
 
-    bf16 weights (N, K) -> uint16 P[N16][K2][16][2], N16 = ceil(N / 16), K2 = ceil(K / 2),
+    bf16 weights (N, K) -> uint16 P[N16][K2][16][2], N16 = ceil(N / 16), K2 = 16 ceil(K / 32),
                            P[p][q][j][e] = w[16 p + j, 2 q + e]  (zero beyond N and K)
     fp32 weights (N, K) -> float  P[N16][K][16],     P[p][k][j]  = w[16 p + j, k]
 
@@ -16,7 +16,8 @@ A bf16 k-pair row of a panel is one 64-byte line of 16 32-bit words (the layout 
 call VNNI): the low half of a word is the even-k weight, the high half the odd-k one, so
 word << 16 and word & 0xFFFF0000 are their fp32 values, one ALU op per 16 (avx512) or 8 (avx2)
 weights, with no shuffle. Each panel is one contiguous stream, which the hardware prefetchers
-follow; M = 1 reads it once, at streaming speed.
+follow; M = 1 reads it once, at streaming speed. 16 k-pair rows of a panel are also an AMX B tile
+(1 KiB, contiguous), which the AMX-packed path at the end of this file loads as they are.
 
 Summation order: per output, k ascending within a K chunk of DK_PK_KC, chunk sums added to out in
 chunk order. It depends on neither the thread count nor M (row i's result is the same whatever
@@ -25,6 +26,7 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #define DK_PACKED_H
 
 #include "dk_dense.h"
+#include "dk_amx.h"
 
 /* The extensions are built with -fassociative-math (setup.py), under which gcc turned
    acc += xe * we; acc += xo * wo into a multiply, an FMA and an add (3 ops for 2). This header's
@@ -48,9 +50,13 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #define DK_PK_PF 1024                  /* prefetch distance (bytes) along each panel in a chunk's first row tile */
 #endif
 
+/* K of a bf16 panel, padded with zero pairs to whole AMX steps of 32 (so that the AMX-packed path
+   below reads the same layout) */
+static inline long dk_pk_kpad(long K) { return (K + 31) / 32 * 32; }
+
 /* Elements (uint16 or float) per panel */
 static inline long dk_pk_panel_elems(long K, int bf16) {
-    return bf16 ? (K + 1) / 2 * 32 : K * DK_PK_COLS;
+    return bf16 ? dk_pk_kpad(K) * DK_PK_COLS : K * DK_PK_COLS;
 }
 
 /* One tile: rows [0, mr) of x (row stride ldx) times panels [0, nv) of P from k0 for kc k (k0, kc
@@ -183,6 +189,94 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
         }
     }
 }
+
+/* ---- AMX-BF16 over the packed layout ("amx-packed") -------------------------------------------
+
+   out = x W^T as C (16 rows x 16 columns, fp32) += A (16 x rows, 32 k of one activation part, bf16)
+   . B (16 k-pairs of one panel: 1 KiB, contiguous in P). The activations are split into `parts`
+   bf16 parts (dk_bf16dot.h) and stored row-major with K padded to dk_pk_kpad(K) and the rows to a
+   multiple of 16 (zeros): an A tile is 16 rows of 64 bytes, loaded in place. Tiles: 0-1 accumulate
+   two panels (32 output columns), 2-3 hold their B tiles, 4-6 the A tiles of the parts; both B
+   tiles are loaded before the products (dk_amx.h: a reload waits for the products reading it). */
+
+/* Rows of the activation planes for M rows (a multiple of 16) */
+static long dk_pk_amx_rows(long M) { return (M + 15) / 16 * 16; }
+
+/* Split x (M, K; row stride ldx) into `parts` planes of (dk_pk_amx_rows(M), dk_pk_kpad(K)) bf16
+   (zeros past M and K), rows [m0, m1) only. Returns 0 when those rows hold inf or NaN (the parts of
+   inf are NaN: the caller takes the FMA path, IEEE results). */
+static int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, long ldx, int parts,
+                           uint16_t *xb) {
+    const long kp = dk_pk_kpad(K), plane = dk_pk_amx_rows(M) * kp;
+    uint32_t bad = 0;
+    uint16_t *p1 = parts > 1 ? xb + plane : NULL, *p2 = parts > 2 ? xb + 2 * plane : NULL;
+    for (long m = m0; m < m1; m++) {
+        long o = m * kp;
+        if (m < M) {
+            bad |= dk_split_run(x + m * ldx, K, parts, xb + o, p1 ? p1 + o : NULL, p2 ? p2 + o : NULL);
+        }
+        long from = m < M ? K : 0;
+        for (int q = 0; q < parts; q++)
+            memset(xb + q * plane + o + from, 0, (kp - from) * sizeof(uint16_t));
+    }
+    return bad == 0;
+}
+
+#if DK_AMX_BUILT
+/* out[:, 16 p0 : 16 (p0 + np)] (clipped to N) for panels p0, p0 + 1 (np = 2) or p0 alone (np = 1) */
+DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int np, const uint16_t *xb,
+                           const uint16_t *P, const float *bias, float *out) {
+    const long kp = dk_pk_kpad(K), plane = dk_pk_amx_rows(M) * kp, pstride = dk_pk_panel_elems(K, 1);
+    const uint16_t *b0 = P + p0 * pstride, *b1 = b0 + pstride;
+    float tmp[256] __attribute__((aligned(64)));
+    for (long m0 = 0; m0 < M; m0 += 16) {
+        const uint16_t *a = xb + m0 * kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (long s = 0; s < kp / 32; s++) {
+            _tile_loadd(2, b0 + s * 512, 64);
+            if (np > 1) _tile_loadd(3, b1 + s * 512, 64);
+            _tile_loadd(4, a + s * 32, kp * 2);
+            if (parts > 1) _tile_loadd(5, a + plane + s * 32, kp * 2);
+            if (parts > 2) _tile_loadd(6, a + 2 * plane + s * 32, kp * 2);
+            _tile_dpbf16ps(0, 4, 2);
+            if (np > 1) _tile_dpbf16ps(1, 4, 3);
+            if (parts > 1) { _tile_dpbf16ps(0, 5, 2); if (np > 1) _tile_dpbf16ps(1, 5, 3); }
+            if (parts > 2) { _tile_dpbf16ps(0, 6, 2); if (np > 1) _tile_dpbf16ps(1, 6, 3); }
+        }
+        long rows = M - m0 < 16 ? M - m0 : 16;
+        for (int t = 0; t < np; t++) {
+            long c0 = (p0 + t) * DK_PK_COLS, cols = N - c0 < DK_PK_COLS ? N - c0 : DK_PK_COLS;
+            float *o = out + m0 * N + c0;
+            if (rows == 16 && cols == 16) {  /* straight into out */
+                if (t == 0) _tile_stored(0, o, N * 4); else _tile_stored(1, o, N * 4);
+                if (bias)
+                    for (long i = 0; i < 16; i++)
+                        for (long j = 0; j < 16; j++) o[i * N + j] += bias[c0 + j];
+            } else {
+                if (t == 0) _tile_stored(0, tmp, 64); else _tile_stored(1, tmp, 64);
+                for (long i = 0; i < rows; i++)
+                    for (long j = 0; j < cols; j++) {
+                        float v = tmp[i * 16 + j];
+                        o[i * N + j] = bias ? v + bias[c0 + j] : v;
+                    }
+            }
+        }
+    }
+}
+/* parts as a compile-time constant in each copy */
+static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const uint16_t *xb,
+                      const uint16_t *P, const float *bias, float *out) {
+    if (parts == 1) dk_pk_amx_p(1, M, K, N, p0, np, xb, P, bias, out);
+    else if (parts == 2) dk_pk_amx_p(2, M, K, N, p0, np, xb, P, bias, out);
+    else dk_pk_amx_p(3, M, K, N, p0, np, xb, P, bias, out);
+}
+#else
+static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const uint16_t *xb,
+                      const uint16_t *P, const float *bias, float *out) {
+    (void)M; (void)K; (void)N; (void)p0; (void)np; (void)parts; (void)xb; (void)P; (void)bias; (void)out;
+}
+#endif
 
 #pragma GCC pop_options
 

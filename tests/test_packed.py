@@ -29,18 +29,19 @@ def test_pack_unpack_round_trip(n, k, dtype, seed):
     w = make_float(np.random.default_rng(seed), (n, k), dtype)
     p = dk.pack_weight(w)
     assert p.shape == (n, k) and p.dtype == w.dtype and not p.data.flags.writeable
-    assert p.data.size == -(-n // 16) * (-(-k // 2) * 32 if dtype == "bfloat16" else k * 16)
+    assert p.data.size == -(-n // 16) * 16 * (-(-k // 32) * 32 if dtype == "bfloat16" else k)
     assert np.array_equal(p.unpack(), w) and np.array_equal(np.asarray(p), w)
 
 
 def test_packed_layout_is_the_documented_one():
-    # bf16: P[p][q][j][e] = w[16 p + j, 2 q + e]; fp32: P[p][k][j] = w[16 p + j, k] (pyx/dk_packed.h)
+    # bf16: P[p][q][j][e] = w[16 p + j, 2 q + e], K padded to 32; fp32: P[p][k][j] = w[16 p + j, k]
+    # (pyx/dk_packed.h)
     n, k = 35, 7
     w16 = make_float(np.random.default_rng(0), (n, k), "bfloat16")
-    P = dk.pack_weight(w16).data.reshape(3, 4, 16, 2)
+    P = dk.pack_weight(w16).data.reshape(3, 16, 16, 2)
     for r, c in [(0, 0), (17, 3), (34, 6), (20, 5)]:
         assert P[r // 16, c // 2, r % 16, c % 2] == w16[r, c]
-    assert P[2, 3, 2, 1] == 0 and P[2, 0, 3, 0] == 0  # k = 7 and row 35: zero padding
+    assert P[2, 3, 2, 1] == 0 and P[2, 0, 3, 0] == 0 and not P[:, 4:].any()  # k >= 7, row 35: zeros
     w32 = make_float(np.random.default_rng(1), (n, k), "float32")
     P = dk.pack_weight(w32).data.reshape(3, k, 16)
     assert P[34 // 16, 6, 34 % 16] == w32[34, 6]
@@ -59,7 +60,7 @@ def test_linear_packed_matches_reference(m, n, k, dtype, with_bias, seed):
         tol = TOLERANCE_LONG if k >= 256 else TOLERANCE[dtype]
         assert_close(got, expect, **tol, what=f"packed {backend} M={m} N={n} K={k} {dtype}")
     if "cython" in KERNEL_BACKENDS:
-        assert dk.kernel_module("dense", "cython").last_path().endswith(":fma-packed")
+        assert dk.kernel_module("dense", "cython").last_path().endswith("-packed")
 
 
 @pytest.mark.parametrize("tier", MACHINE_TIERS)
@@ -74,12 +75,32 @@ def test_linear_packed_every_tier_and_precision(tier, precision, m, n, k):
     dk.set_isa(tier)
     try:
         got = dk.linear(x, p, precision=precision, backend="cython").astype(np.float64)
-        assert dk.kernel_module("dense", "cython").last_path() == f"{tier}:fma-packed"
+        cdense = dk.kernel_module("dense", "cython")
+        path = "amx-packed" if m > 4 and cdense.amx_available() else "fma-packed"
+        assert cdense.last_path() == f"{tier}:{path}"
     finally:
         dk.set_isa(None)
     xr = round_activations(torch.from_numpy(x), PRECISIONS[precision]).double().numpy()
     scale = np.abs(x).astype(np.float64) @ np.abs(as_f64(w).numpy()).T
     assert np.all(np.abs(got - xr @ as_f64(w).numpy().T) <= 2e-6 * scale + 1e-30)
+
+
+def test_amx_packed_equals_fma_packed_up_to_summation_order():
+    cdense = dk.kernel_module("dense", "cython")
+    if not cdense.amx_available():
+        pytest.skip("no AMX on this CPU: the amx-packed path cannot run here")
+    x, w, b = _case(4, 33, 70, 1000, "bfloat16")
+    p = dk.pack_weight(w)
+    for precision in PRECISIONS:
+        amx = dk.linear(x, p, b, precision=precision, backend="cython")
+        assert cdense.last_path() == "amx:amx-packed"
+        old = cdense.set_amx_enabled(False)
+        try:
+            fma = dk.linear(x, p, b, precision=precision, backend="cython")
+            assert cdense.last_path() == "amx:fma-packed"
+        finally:
+            cdense.set_amx_enabled(old)
+        assert_close(amx, fma, **TOLERANCE_LONG, what=f"amx vs fma packed, {precision}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -92,8 +113,9 @@ def test_linear_packed_rows_do_not_depend_on_m_or_threads(kernel_backend, dtype)
     full = dk.linear(x, p, b, backend=kernel_backend, n_threads=1)
     for n_threads in (2, 3):
         assert np.array_equal(dk.linear(x, p, b, backend=kernel_backend, n_threads=n_threads), full)
-    if kernel_backend.startswith("cython"):
-        for i in (0, 7, 19):
+    cdense = dk.kernel_module("dense", "cython")
+    if kernel_backend.startswith("cython") and cdense.last_path().endswith("fma-packed"):
+        for i in (0, 7, 19):  # (AMX tiles sum in their own order: rows agree to rounding there)
             assert np.array_equal(dk.linear(x[i : i + 1], p, b, backend=kernel_backend), full[i : i + 1])
 
 
@@ -101,7 +123,13 @@ def test_packed_bf16_and_fp32_sum_identically():
     # the two layouts run the same order: bf16 weights give the bits of the same values in fp32
     x, w, b = _case(5, 16, 50, 999, "bfloat16")
     w32 = as_f64(w).numpy().astype(np.float32)
-    a = dk.linear(x, dk.pack_weight(w), b, backend="cython")
+    cdense = dk.kernel_module("dense", "cython")
+    old = cdense.set_amx_enabled(False)  # the FMA tiles (AMX takes bf16 blocks where it exists)
+    try:
+        a = dk.linear(x, dk.pack_weight(w), b, backend="cython")
+        assert cdense.last_path().endswith(":fma-packed")
+    finally:
+        cdense.set_amx_enabled(old)
     assert np.array_equal(a, dk.linear(x, dk.pack_weight(w32), b, backend="cython"))
 
 
@@ -139,7 +167,8 @@ def test_prepare_weight_follows_the_path():
             got = dk.prepare_weight(w16)
             pays = dk.kernel_module("dense", "cython").packed_pays(256, 64, True, 3)
             assert isinstance(got, dk.PackedWeight) == pays
-            assert pays == (dk.kernel_module("dense", "cython").path_name(16, 256, 64, True).endswith("fma-blocked"))
+            # packed everywhere but where 16-row blocks would take vdpbf16ps on the row-major layout
+            assert pays == (not dk.kernel_module("dense", "cython").path_name(16, 256, 64, True).endswith("bf16dot"))
         finally:
             dk.set_isa(None)
     old = cdense.set_amx_enabled(False)
