@@ -50,9 +50,11 @@ def test_rejection_sample(benchmark, contender, case):
     drafts, logits = _logits(case)
     u = torch.rand(1, K + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if contender == "torch-peer":
-        fn = lambda: torch_rejection_sample(drafts, logits, u.float())
+        def fn():
+            return torch_rejection_sample(drafts, logits, u.float())
     else:
-        fn = lambda: dk.rejection_sample(drafts, logits, generator=1, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.rejection_sample(drafts, logits, generator=1, backend=contender, n_threads=THREADS)
     n = fn()[0]  # warm-up (JIT)
     benchmark(fn)
     record(benchmark, bytes_moved=logits.numel() * 4, shape=f"B=1 k={K} V={V} {case}", accepted=int(n[0]))
@@ -79,7 +81,8 @@ def test_greedy_verify(benchmark, contender, target_head):
     drafts = torch.nn.functional.linear(hidden, lm_head).argmax(-1)[None, :K].clone()
     drafts[0, 10] = (drafts[0, 10] + 1) % V  # accept 10 drafts
     if contender == "torch-peer":
-        fn = lambda: torch_greedy_verify(hidden, lm_head, drafts)
+        def fn():
+            return torch_greedy_verify(hidden, lm_head, drafts)
     else:
         def fn():
             target = dk.denoise_block(hidden, lm_head, backend=contender, n_threads=THREADS)

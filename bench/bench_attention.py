@@ -18,7 +18,6 @@ import dflash_kernels as dk
 from benchsupport import THREADS, record
 from shapes import BLOCK, CONTEXTS, DFLASH_QWEN3_8B as M
 
-
 # Contexts beyond the smallest run only when timing (--benchmark-enable): the smoke run in the test
 # suite deselects them (bench/conftest.py) to stay fast.
 SMOKE_CONTEXTS = [c if c == CONTEXTS[0] else pytest.param(c, marks=pytest.mark.timed_only) for c in CONTEXTS]
@@ -53,17 +52,20 @@ def test_injected_kv_attention(benchmark, contender, t_ctx, dtype):
     if contender == "torch-peer":
         k, v = torch.cat([kc, kb]), torch.cat([vc, vb])  # SDPA needs one tensor
         qp = q.to(tdt)
-        fn = lambda: _sdpa(qp, k, v)
+        def fn():
+            return _sdpa(qp, k, v)
     else:
-        fn = lambda: dk.injected_kv_attention(q, kc, vc, kb, vb, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.injected_kv_attention(q, kc, vc, kb, vb, backend=contender, n_threads=THREADS)
     fn()  # warm-up (JIT)
     benchmark(fn)
     record(benchmark, flops=_flops(BLOCK, t_ctx + BLOCK), shape=f"{M.name} q{BLOCK} ctx{t_ctx} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("t_q,t_kv", [(BLOCK, c) if c == CONTEXTS[0] else pytest.param(BLOCK, c, marks=pytest.mark.timed_only)
-                                      for c in CONTEXTS] + [(1, 4096)])
+@pytest.mark.parametrize("t_q,t_kv",
+                         [(BLOCK, c) if c == CONTEXTS[0] else pytest.param(BLOCK, c, marks=pytest.mark.timed_only)
+                          for c in CONTEXTS] + [(1, 4096)])
 def test_cached_attention(benchmark, contender, t_q, t_kv, dtype):
     """Verification (16 queries, causal bottom-right over the cache) and decode (1 query)."""
     tdt = getattr(torch, dtype)
@@ -72,9 +74,11 @@ def test_cached_attention(benchmark, contender, t_q, t_kv, dtype):
     if contender == "torch-peer":
         mask = torch.ones(t_q, t_kv, dtype=torch.bool).tril(t_kv - t_q)  # bottom-right causal
         qp = q.to(tdt)
-        fn = lambda: _sdpa(qp, k, v, mask if t_q > 1 else None)
+        def fn():
+            return _sdpa(qp, k, v, mask if t_q > 1 else None)
     else:
-        fn = lambda: dk.cached_attention(q, k, v, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.cached_attention(q, k, v, backend=contender, n_threads=THREADS)
     fn()
     benchmark(fn)
     record(benchmark, flops=_flops(t_q, t_kv), bytes_moved=2 * k.numel() * k.element_size(),

@@ -33,14 +33,17 @@ def test_denoise_block(benchmark, contender, drafter_head, temperature):
     hidden, lm_head, lm_head_f32 = drafter_head
     if contender == "torch-peer":
         if temperature == 0:
-            fn = lambda: torch.nn.functional.linear(hidden, lm_head_f32).argmax(-1)
+            def fn():
+                return torch.nn.functional.linear(hidden, lm_head_f32).argmax(-1)
         else:
             g = torch.Generator().manual_seed(1)
-            fn = lambda: torch.multinomial(  # noqa: E731
-                torch.softmax(torch.nn.functional.linear(hidden, lm_head_f32) / temperature, -1), 1, generator=g)
+            def fn():
+                return torch.multinomial(
+                    torch.softmax(torch.nn.functional.linear(hidden, lm_head_f32) / temperature, -1), 1, generator=g)
     else:
-        fn = lambda: dk.denoise_block(hidden, lm_head, temperature=temperature, generator=1, backend=contender,
-                                      n_threads=THREADS)
+        def fn():
+            return dk.denoise_block(hidden, lm_head, temperature=temperature, generator=1, backend=contender,
+                                    n_threads=THREADS)
     fn()  # warm-up (JIT)
     benchmark(fn)
     v = lm_head.shape[0]

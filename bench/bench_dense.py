@@ -58,9 +58,11 @@ def test_linear(benchmark, contender, shape, m, weights):
     x = torch.randn(m, k)
     if contender == "torch-peer":
         xp = x.to(w.dtype)
-        fn = lambda: torch.nn.functional.linear(xp, w)
+        def fn():
+            return torch.nn.functional.linear(xp, w)
     else:
-        fn = lambda: dk.linear(x, w, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.linear(x, w, backend=contender, n_threads=THREADS)
     if benchmark.disabled:  # smoke run: one call (torch's bf16 matmul alone takes seconds on AVX2 CPUs)
         benchmark(fn)
     else:
@@ -106,9 +108,11 @@ def test_rms_norm(benchmark, contender, m):
     h = QWEN3_8B.hidden
     x, w = torch.randn(m, h), torch.rand(h) + 0.5
     if contender == "torch-peer":  # Qwen3RMSNorm's forward in fp32
-        fn = lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        def fn():
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     else:
-        fn = lambda: dk.rms_norm(x, w, 1e-6, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.rms_norm(x, w, 1e-6, backend=contender, n_threads=THREADS)
     fn()  # warm-up (JIT)
     benchmark(fn)
     record(benchmark, bytes_moved=x.numel() * 8 + h * 4, shape=f"{QWEN3_8B.name} [{m} x {h}]")
@@ -153,9 +157,11 @@ def test_apply_rope(benchmark, contender, t):
 def test_silu_and_mul(benchmark, contender, m):
     x = torch.randn(m, 2 * QWEN3_8B.intermediate)
     if contender == "torch-peer":
-        fn = lambda: torch.nn.functional.silu(x[:, : QWEN3_8B.intermediate]) * x[:, QWEN3_8B.intermediate :]
+        def fn():
+            return torch.nn.functional.silu(x[:, : QWEN3_8B.intermediate]) * x[:, QWEN3_8B.intermediate :]
     else:
-        fn = lambda: dk.silu_and_mul(x, backend=contender, n_threads=THREADS)
+        def fn():
+            return dk.silu_and_mul(x, backend=contender, n_threads=THREADS)
     fn()  # warm-up (JIT)
     benchmark(fn)
     record(benchmark, bytes_moved=x.numel() * 4 * 1.5, shape=f"{QWEN3_8B.name} M={m}")

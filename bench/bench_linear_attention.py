@@ -8,7 +8,6 @@ torch reference (goal 5x: met); numba decode 1.8x (missed; Numba's code for the 
 vectorise like the Cython C block).
 """
 
-import numpy as np
 import pytest
 import torch
 

@@ -5,16 +5,11 @@ Run: DFLASH_NUM_THREADS=2 python -m pytest bench --benchmark-enable --benchmark-
 """
 
 import os
-import sys
-from pathlib import Path
 
-import pytest
 import torch
 
 import dflash_kernels as dk
 from dflash_kernels._threads import default_threads
-
-
 
 THREADS = default_threads()
 torch.set_num_threads(THREADS)

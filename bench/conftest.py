@@ -17,7 +17,8 @@ def contender(request):
 
 def pytest_collection_modifyitems(config, items):
     """Smoke run (benchmarks disabled): deselect the cases marked timed_only (large shapes)."""
-    timing = config.getoption("benchmark_enable", default=False) or not config.getoption("benchmark_disable", default=False)
+    timing = (config.getoption("benchmark_enable", default=False)
+              or not config.getoption("benchmark_disable", default=False))
     if timing:
         return
     keep = [i for i in items if i.get_closest_marker("timed_only") is None]

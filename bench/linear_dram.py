@@ -44,15 +44,15 @@ def model_step_gbs(shape: str, layers: int, threads: int, repeats: int = 5, head
     outs = [np.empty((1, w.shape[0]), np.float32) for w in mats]
 
     def step():
-        for w, o in zip(mats, outs):
+        for w, o in zip(mats, outs, strict=True):
             dense.linear(xs[w.shape[1]], w, None, o, n_threads=threads)
 
     gemv_s = _median(step, repeats)
     packed = [dk.pack_weight(w) for w in mats]
-    del mats, w  # the row-major copies: keep one set of weights in memory
+    mats.clear()  # the row-major copies: keep one set of weights in memory
 
     def step_packed():
-        for p, o in zip(packed, outs):
+        for p, o in zip(packed, outs, strict=True):
             dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=threads)
 
     return {"shape": shape, "gb": n_bytes / 1e9, "gemv_gbs": n_bytes / gemv_s / 1e9,
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         outs = [np.empty((m, w.shape[0]), np.float32) for w in mats]
 
         def step():
-            for w, o in zip(mats, outs):
+            for w, o in zip(mats, outs, strict=True):
                 dense.linear(xs[w.shape[1]], w, None, o, n_threads=args.threads)
 
         step()
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
         xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in {p.shape[1] for p in packed}}
         outs = [np.empty((m, p.shape[0]), np.float32) for p in packed]
 
-        def step_packed():
-            for p, o in zip(packed, outs):
+        def step_packed(xs=xs, outs=outs):
+            for p, o in zip(packed, outs, strict=True):
                 dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=args.threads)
 
         t = _median(step_packed, args.repeats)

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class HybridShape:
     """A Qwen3.5 dense text model (docs/models.md 2.2): Gated DeltaNet layers with one gated full-attention
@@ -115,7 +114,8 @@ def _write_drafter(d_dir: Path, dcfg: dict, *, draft_layers: int, n_target_layer
                 torch_dtype="bfloat16", layer_types=["full_attention"] * draft_layers,
                 dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": taps, "block_size": 16})
     (d_dir / "config.json").write_text(json.dumps(dcfg))
-    dt = {"fc.weight": _randn_bf16(h, len(taps) * h, gen=gen), "hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    dt = {"fc.weight": _randn_bf16(h, len(taps) * h, gen=gen),
+          "hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
           "norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     for li in range(draft_layers):
         dt.update(_qwen3_layer(f"layers.{li}.", h, i, hd, nh, nkv, gen))
@@ -336,7 +336,7 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         drafts = dr.draft(anchor, k, ctx)
         block = np.concatenate([[anchor], drafts]).astype(np.int64)
 
-        def verify():
+        def verify(block=block):
             h, _ = tgt.forward(block, cache, taps=True)
             tgt.greedy(h)
 
@@ -345,19 +345,19 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         rewind()
         n_ctx = ctx.length
 
-        def accept():
+        def accept(drafts=drafts, choice=choice, k=k, vt=vt, n_ctx=n_ctx):
             n_acc, _ = eng.ops.accept_greedy(drafts[None], choice[None])
             cache.length = base + k + 1  # as after a verification
             cache.truncate(base + int(np.asarray(n_acc)[0]) + 1)
             dr.add_context(vt[: int(np.asarray(n_acc)[0]) + 1], ctx)
             ctx.length = n_ctx
 
-        res["k"][k] = {"t_draft_s": _median(lambda: dr.draft(anchor, k, ctx), repeats),
+        res["k"][k] = {"t_draft_s": _median(lambda k=k: dr.draft(anchor, k, ctx), repeats),
                        "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind)}
         if hybrid and rollback and k == rollback[0]:
             kept = base + rollback[1] + 1  # anchor + accepted drafts
 
-            def cut():
+            def cut(k=k, kept=kept):
                 cache.length = base + k + 1  # as right after the verification whose checkpoints are kept
                 cache.truncate(kept)
 
@@ -369,7 +369,7 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
 
 def projected(res: dict, tau: dict) -> dict:
     out = {}
-    for k, t in tau.items():
+    for k, _t in tau.items():
         r = res["k"].get(int(k))
         if r:
             out[int(k)] = tau[k] * res["t_ar_s"] / (r["t_draft_s"] + r["t_verify_s"] + r["t_accept_s"])
@@ -426,13 +426,15 @@ def main(argv=None) -> int:
     print(f"tier {res['tier']}, precision {res['precision']}")
     print(f"{s.name}: T_ar {res['t_ar_s'] * 1e3:.1f} ms, roofline {res['roofline_step_s'] * 1e3:.1f} ms "
           f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s")
-    print("| k | T_draft ms | T_verify ms | T_accept ms | verify/AR | projected (tau 6.93 at 15) | projected (measured tau) |")
+    print("| k | T_draft ms | T_verify ms | T_accept ms | verify/AR "
+          "| projected (tau 6.93 at 15) | projected (measured tau) |")
     print("|---|---|---|---|---|---|---|")
     for k, r in res["k"].items():
         pm = res.get("projected_measured", {}).get(k)
         pp = res["projected_published"].get(k)
         print(f"| {k} | {r['t_draft_s'] * 1e3:.1f} | {r['t_verify_s'] * 1e3:.1f} | {r['t_accept_s'] * 1e3:.2f} | "
-              f"{r['t_verify_s'] / res['t_ar_s']:.2f} | {f'{pp:.2f}x' if pp else '-'} | {f'{pm:.2f}x' if pm else '-'} |")
+              f"{r['t_verify_s'] / res['t_ar_s']:.2f} | {f'{pp:.2f}x' if pp else '-'} | "
+              f"{f'{pm:.2f}x' if pm else '-'} |")
     rb = res.get("rollback")
     if rb:
         print(f"rollback after k={rb['k']} verification to {rb['accepted']} accepted (HybridCache.truncate): "

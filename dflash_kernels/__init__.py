@@ -26,8 +26,8 @@ from ._isa import active_tier, set_isa
 from ._precision import get_matmul_precision, set_matmul_precision
 from .acceptance import accept_greedy, rejection_sample
 from .attention import cached_attention, injected_kv_attention
-from .dense import PackedWeight, apply_rope, linear, pack_weight, prepare_weight, rms_norm, silu_and_mul
 from .denoise import denoise_block, make_draft_block
+from .dense import PackedWeight, apply_rope, linear, pack_weight, prepare_weight, rms_norm, silu_and_mul
 from .linear_attention import (
     apply_output_gate,
     causal_conv1d,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 
 from . import _isa
@@ -26,7 +26,7 @@ _PACKAGES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _import(name: str) -> ModuleType | Exception:
     try:
         return importlib.import_module(name)

@@ -9,9 +9,9 @@ import numpy as np
 from ._autotune import delegates, torch_linear
 from ._backends import resolve
 from ._dispatch import run
-from ._threads import resolve_threads
 from ._precision import parts as precision_parts
 from ._tensors import dtype_name, f32_array, float_array, index_array, is_torch, wrap
+from ._threads import resolve_threads
 
 
 def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
@@ -119,7 +119,8 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
 
     x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
     place (bf16 is upcast inside the kernel, never as a whole matrix; read-only / memory-mapped
-    weights are fine), or a ``PackedWeight`` (``prepare_weight``: the FMA tiers' fast layout). bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
+    weights are fine), or a ``PackedWeight`` (``prepare_weight``: the FMA tiers' fast layout).
+    bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
     precision: "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two
     or one bf16 parts, see ``set_matmul_precision``); None = the process default.
     With backend="auto", shapes that ``tune_linear`` measured faster in torch here run in torch.

@@ -15,8 +15,8 @@ state after the accepted prefix 0..a of a verified block of k+1 tokens:
   2. snapshot the state before verifying (one copy) and, after acceptance, restore the snapshot and
      re-run tokens 0..a as one block: bit-identical to checkpoint a in every backend (the recurrence
      does the same arithmetic for every block length; pass chunk_size=0 beyond 64 tokens so the torch
-     backend does not switch to the chunked form), and cheaper on CPU, where writing k+1 states (2 MiB each per Qwen3.5-9B
-     layer) costs several verification steps of memory bandwidth.
+     backend does not switch to the chunked form), and cheaper on CPU, where writing k+1 states (2 MiB each per
+     Qwen3.5-9B layer) costs several verification steps of memory bandwidth.
 The conv state after n tokens is ``conv_state_at(conv_state_before, x, n)`` (or ``checkpoints=True``
 on ``causal_conv1d``).
 """

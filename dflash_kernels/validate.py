@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -60,10 +60,16 @@ def _checks(seed: int) -> list[Check]:
         for m, n, k in ((1, 4096, 1024), (16, 1000, 1024), (7, 33, 130)):
             x, w = f(m, k), _store(f(n, k, s=0.05), dt)
             checks.append(Check(f"linear {dt} {m}x{k}->{n}", lambda b, a=(x, w): dk.linear(*a, backend=b)))
+            # the packed layout the model layer uses (dk.prepare_weight); Numba reads it unpacked
+            packed = dk.pack_weight(w)
+            checks.append(Check(f"linear packed {dt} {m}x{k}->{n}",
+                                lambda b, a=(x, packed): dk.linear(*a, backend=b)))
             if dt == "bfloat16":
                 for prec in ("high", "medium"):
                     checks.append(Check(f"linear {dt} {prec} {m}x{k}->{n}",
                                         lambda b, a=(x, w), p=prec: dk.linear(*a, precision=p, backend=b)))
+                    checks.append(Check(f"linear packed {dt} {prec} {m}x{k}->{n}",
+                                        lambda b, a=(x, packed), p=prec: dk.linear(*a, precision=p, backend=b)))
         x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
         checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
         gu = _store(f(16, 2 * 3072), dt)
@@ -81,8 +87,9 @@ def _checks(seed: int) -> list[Check]:
     pos = np.arange(100, 116)
     xr = f(16, 32, 128)
     checks.append(Check("apply_rope 16x32x128 theta 1e6", lambda b: dk.apply_rope(xr, pos, 1e6, backend=b)))
+    xp = f(16, 4, 256)
     checks.append(Check("apply_rope partial 64/256 theta 1e7",
-                        lambda b, x=f(16, 4, 256): dk.apply_rope(x, pos, 1e7, rotary_dim=64, backend=b)))
+                        lambda b, x=xp: dk.apply_rope(x, pos, 1e7, rotary_dim=64, backend=b)))
     # Qwen3.5 Gated DeltaNet (state updated in place: each backend gets its own copy)
     for t in (1, 16, 100):
         gq, gk, gv = f(t, 4, 64), f(t, 4, 64), f(t, 8, 64)
@@ -123,7 +130,7 @@ def _compare(got, ref, check: Check) -> tuple[bool, str]:
     got_t = got if isinstance(got, tuple) else (got,)
     ref_t = ref if isinstance(ref, tuple) else (ref,)
     worst = 0.0
-    for g, r in zip(got_t, ref_t):
+    for g, r in zip(got_t, ref_t, strict=True):
         g = g.numpy() if hasattr(g, "numpy") else np.asarray(g)
         r = r.numpy() if hasattr(r, "numpy") else np.asarray(r)
         if g.shape != r.shape:

@@ -61,7 +61,7 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
             ar += _run(eng, [p], max_new_tokens, temp, 0, seed + i)
             sd += _run(eng, [p], max_new_tokens, temp, k, seed + i)
         if temp == 0.0:
-            lossless[temp] = all(a.token_ids == s.token_ids for a, s in zip(ar, sd))
+            lossless[temp] = all(a.token_ids == s.token_ids for a, s in zip(ar, sd, strict=True))
         m_ar, m_sd = aggregate(r.metrics for r in ar), aggregate(r.metrics for r in sd)
         rows.append(_row("autoregressive", temp, 0, m_ar))
         rows.append(_row("dflash", temp, k, m_sd))
@@ -95,7 +95,7 @@ def bench_markdown(report: dict) -> str:
         acc = f"{r['acceptance_rate']:.1%}" if r["mode"] == "dflash" else "-"
         lines.append(f"| {r['mode']} | {r['temperature']} | {r['num_speculative_tokens']} | "
                      f"{r['tokens_per_second']:.1f} | {sp} | {tau} | {acc} | {r['overhead_per_round_us']:.0f} us |")
-    for temp, same in report["greedy_identical"].items():
+    for _temp, same in report["greedy_identical"].items():
         lines.append(f"\ngreedy DFlash output identical to autoregressive: {same}")
     if report["k_sweep"]:
         lines += ["", "| k | tokens/s | tau | acceptance |", "|---|---|---|---|"]

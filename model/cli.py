@@ -33,8 +33,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from .engine import load
     from .defaults import default_model_dirs
+    from .engine import load
 
     target, drafter = args.target, args.drafter
     if target is None:

@@ -62,7 +62,7 @@ class Metrics:
     def tau_histogram(self) -> dict[int, int]:
         """{tokens committed in a round: number of rounds}."""
         vals, counts = np.unique(np.asarray(self.accepted, dtype=np.int64) + 1, return_counts=True)
-        return {int(v): int(c) for v, c in zip(vals, counts)}
+        return {int(v): int(c) for v, c in zip(vals, counts, strict=True)}
 
     @property
     def tokens_per_second(self) -> float:
@@ -85,7 +85,7 @@ class Metrics:
     def overhead_per_round_us(self) -> float:
         return 1e6 * self.overhead_s / self.rounds if self.rounds else float("nan")
 
-    def merge(self, other: "Metrics") -> "Metrics":
+    def merge(self, other: Metrics) -> Metrics:
         """Aggregate of two runs (rounds pooled, times summed)."""
         return Metrics(
             prompt_tokens=self.prompt_tokens + other.prompt_tokens,

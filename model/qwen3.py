@@ -23,7 +23,7 @@ from .weights import as_f32, check_tensors, concat_rows, storage
 
 def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
     """The 11 tensors of one Qwen3-style decoder layer (targets and DFlash drafters alike)."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     return {
         prefix + "input_layernorm.weight": (H,),
         prefix + "post_attention_layernorm.weight": (H,),
@@ -33,9 +33,9 @@ def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
         prefix + "self_attn.o_proj.weight": (H, cfg.q_dim),
         prefix + "self_attn.q_norm.weight": (D,),
         prefix + "self_attn.k_norm.weight": (D,),
-        prefix + "mlp.gate_proj.weight": (I, H),
-        prefix + "mlp.up_proj.weight": (I, H),
-        prefix + "mlp.down_proj.weight": (H, I),
+        prefix + "mlp.gate_proj.weight": (inter, H),
+        prefix + "mlp.up_proj.weight": (inter, H),
+        prefix + "mlp.down_proj.weight": (H, inter),
     }
 
 

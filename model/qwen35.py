@@ -23,8 +23,8 @@ from dflash_kernels.linear_attention import conv_state_at
 
 from ._ops import Ops
 from ._target import TargetBase
-from .qwen35_config import Qwen35Config
 from .qwen3 import KVCache
+from .qwen35_config import Qwen35Config
 from .weights import as_f32, check_tensors, concat_rows, storage
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower and the MTP head: not used for decoding
@@ -32,7 +32,7 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower and the MTP head: n
 
 def qwen35_tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple]:
     """Every text-model tensor a Qwen3.5 checkpoint must hold, with its shape (docs/models.md 2.3)."""
-    H, I, D, P = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.prefix
+    H, inter, D, P = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.prefix
     shapes = {P + "embed_tokens.weight": (cfg.vocab_size, H), P + "norm.weight": (H,)}
     Hv = cfg.linear_num_value_heads
     for i, kind in enumerate(cfg.layer_types):
@@ -40,9 +40,9 @@ def qwen35_tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple]:
         shapes.update({
             p + "input_layernorm.weight": (H,),
             p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
+            p + "mlp.gate_proj.weight": (inter, H),
+            p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
         })
         if kind == "full_attention":
             a = p + "self_attn."

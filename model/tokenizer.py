@@ -37,7 +37,7 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+    def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
 

@@ -288,9 +288,11 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     if data_path.exists():
         seqs = torch.load(data_path)
     else:
-        corpus = torch.from_numpy(encode_corpus(Path(target_dir) / "tokenizer.json", "train", tcfg["bos_token_id"]).astype(np.int64))
+        ids = encode_corpus(Path(target_dir) / "tokenizer.json", "train", tcfg["bos_token_id"])
+        corpus = torch.from_numpy(ids.astype(np.int64))
         rnd = random.Random(seed)
-        prompts = [corpus[s: s + prompt_len] for s in (rnd.randrange(len(corpus) - prompt_len) for _ in range(n_sequences))]
+        starts = (rnd.randrange(len(corpus) - prompt_len) for _ in range(n_sequences))
+        prompts = [corpus[s: s + prompt_len] for s in starts]
         seqs = torch.stack(generate_drafter_data(target, prompts, new_tokens, quiet=quiet))
         torch.save(seqs, data_path)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)

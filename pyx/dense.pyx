@@ -174,6 +174,12 @@ def packed_pays(Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
     return _choose_path(DK_MR + 1, K, N, bf16, parts) != PATH_BF16DOT
 
 
+def packed_path_name(Py_ssize_t M, bint bf16):
+    """"<tier>:<path>" that linear_packed takes for M rows (x without inf / NaN)."""
+    amx = bf16 and M > DK_MR and _amx_enabled and DK_AMX_BUILT and dk_amx_ready()
+    return f"{TIER}:{_PATH_NAMES[PATH_AMX_PACKED if amx else PATH_FMA_PACKED]}"
+
+
 def path_name(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
     """"<tier>:<path>" that linear takes for x (M, K), weight (N, K) and `parts` activation parts."""
     if bf16 and parts < 3:

@@ -10,7 +10,7 @@ deliberately != hidden / heads.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ Block diffusion drafters predict many tokens in parallel; the longest correct pr
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def tokenizer_json(vocab_size: int = 320) -> str:
     """A Qwen-style byte-level BPE (no BOS, ByteLevel decoder) trained on a small corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -97,7 +97,7 @@ def qwen3_tensors(cfg: dict, seed: int = 0, hot_tokens: int = 0, hot_scale: floa
     """Random fp32 weights with sane magnitudes; hot_tokens > 0 scales the first lm_head rows so
     both the target and a random drafter favour a few tokens (drafts then get accepted sometimes)."""
     rng = np.random.default_rng(seed)
-    H, I, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    H, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     nq, nkv, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
 
     def lin(n, k):
@@ -114,8 +114,8 @@ def qwen3_tensors(cfg: dict, seed: int = 0, hot_tokens: int = 0, hot_scale: floa
             p + "self_attn.q_proj.weight": lin(nq * D, H), p + "self_attn.k_proj.weight": lin(nkv * D, H),
             p + "self_attn.v_proj.weight": lin(nkv * D, H), p + "self_attn.o_proj.weight": lin(H, nq * D),
             p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
-            p + "mlp.down_proj.weight": lin(H, I),
+            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
+            p + "mlp.down_proj.weight": lin(H, inter),
         })
     head = t["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else 0.5 * rng.standard_normal((V, H))
     if hot_tokens:
@@ -179,7 +179,7 @@ def dflash_config(target_cfg: dict, *, layers=2, block_size=16, target_layer_ids
 
 def dflash_tensors(cfg: dict, target_hidden: int, n_taps: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    H, I, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    H, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def lin(n, k):
@@ -196,8 +196,8 @@ def dflash_tensors(cfg: dict, target_hidden: int, n_taps: int, seed: int = 1) ->
             p + "self_attn.q_proj.weight": lin(nq * D, H), p + "self_attn.k_proj.weight": lin(nkv * D, H),
             p + "self_attn.v_proj.weight": lin(nkv * D, H), p + "self_attn.o_proj.weight": lin(H, nq * D),
             p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
-            p + "mlp.down_proj.weight": lin(H, I),
+            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
+            p + "mlp.down_proj.weight": lin(H, inter),
         })
     return t
 
@@ -218,7 +218,7 @@ def write_dflash(d, target_dir, *, dtype="bf16", seed=1, **cfg_kw) -> Path:
     return d
 
 
-# -- pytest fixtures shared by the tests/test_model_*.py files (import the ones you use) ---------
+# -- pytest fixtures shared by the tests/test_model_*.py files (tests/conftest.py imports them) ----
 
 import pytest  # noqa: E402
 

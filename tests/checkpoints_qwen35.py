@@ -74,7 +74,7 @@ def qwen35_config(text: dict, *, multimodal=True) -> dict:
 def qwen35_tensors(text: dict, seed: int = 0, *, prefix="model.language_model.", extras=True,
                    hot_tokens: int = 0, hot_scale: float = 3.0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    H, I, D, V = text["hidden_size"], text["intermediate_size"], text["head_dim"], text["vocab_size"]
+    H, inter, D, V = text["hidden_size"], text["intermediate_size"], text["head_dim"], text["vocab_size"]
     nq, nkv = text["num_attention_heads"], text["num_key_value_heads"]
     Hk, Hv, dk, dv = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
                       text["linear_value_head_dim"])
@@ -94,8 +94,8 @@ def qwen35_tensors(text: dict, seed: int = 0, *, prefix="model.language_model.",
         p = f"{prefix}layers.{i}."
         t.update({
             p + "input_layernorm.weight": znorm(H), p + "post_attention_layernorm.weight": znorm(H),
-            p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
-            p + "mlp.down_proj.weight": lin(H, I),
+            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
+            p + "mlp.down_proj.weight": lin(H, inter),
         })
         if kind == "full_attention":
             a = p + "self_attn."

@@ -1,8 +1,9 @@
-"""pytest fixtures; the helpers themselves live in support.py."""
+"""pytest fixtures; the helpers themselves live in support.py (and checkpoints.py for the model tests)."""
 
 import pytest
 
 import dflash_kernels as dk
+from checkpoints import ckpt_dir  # noqa: F401  (fixture, shared by the tests/test_model_*.py files)
 from support import ALL_BACKENDS, KERNEL_CASES
 
 

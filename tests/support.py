@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -16,7 +15,9 @@ import dflash_kernels as dk
 from dflash_kernels import _isa
 from dflash_kernels._tensors import bf16_to_f32, f32_to_bf16
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+_common = dict(deadline=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture])
 settings.register_profile("dev", max_examples=10, **_common)
 settings.register_profile("ci", max_examples=25, **_common)
 settings.register_profile("nightly", max_examples=300, **_common)

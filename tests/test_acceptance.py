@@ -7,7 +7,6 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.reference import acceptance as ref
-
 from support import KERNEL_BACKENDS, as_f64, as_torch, make_float, readonly
 
 SAMPLING = st.tuples(st.sampled_from([0.4, 1.0, 1.7]), st.sampled_from([0, 1, 3, 50, 10_000]),
@@ -37,7 +36,7 @@ def test_accept_greedy_matches_reference(backend, b, k, seed):
     num_draft = rng.integers(0, k + 1, b)
     got = dk.accept_greedy(drafts, target, num_draft, backend=backend)
     want = ref.accept_greedy(torch.from_numpy(drafts), torch.from_numpy(target), torch.from_numpy(num_draft))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == np.int64
         np.testing.assert_array_equal(g, w.numpy())
     _check_invariants(*got, num_draft)
@@ -265,7 +264,7 @@ def test_tiny_temperature_is_greedy_on_every_backend(temperature):
     greedy = dk.rejection_sample(drafts, logits, temperature=0.0, generator=0)
     for b in dk.available_backends():
         got = dk.rejection_sample(drafts, logits, temperature=temperature, generator=0, backend=b)
-        for g, e in zip(got, greedy):
+        for g, e in zip(got, greedy, strict=True):
             assert np.array_equal(np.asarray(g), np.asarray(e)), b
         tok = dk.denoise_block(logits[0], np.eye(50, dtype=np.float32), temperature=temperature, generator=0,
                                backend=b)

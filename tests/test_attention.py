@@ -7,9 +7,7 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.reference import attention as ref
-
-from support import (KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close,
-                     make_float, readonly)
+from support import KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close, make_float, readonly
 
 DTYPES = st.sampled_from(["float32", "bfloat16"])
 WINDOWS = st.one_of(st.none(), st.integers(1, 40))

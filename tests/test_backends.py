@@ -15,7 +15,8 @@ def test_cython_built_unless_disabled():
     if os.environ.get("DFLASH_NO_CYTHON") == "1":
         pytest.skip("DFLASH_NO_CYTHON=1: the Cython build was switched off on purpose")
     for family in ("attention", "dense", "denoise", "acceptance", "linear_attention"):
-        assert backend_error("cython", family) is None, f"Cython {family} failed to load: {backend_error('cython', family)}"
+        error = backend_error("cython", family)
+        assert error is None, f"Cython {family} failed to load: {error}"
 
 
 def test_available_backends_order():
@@ -45,7 +46,8 @@ def test_show_config(capsys):
 
 
 def test_env_backend_preference():
-    code = "import numpy as np, dflash_kernels as dk; from dflash_kernels._backends import resolve; print(resolve('auto','dense')[0])"
+    code = ("import numpy as np, dflash_kernels as dk; from dflash_kernels._backends import resolve; "
+            "print(resolve('auto','dense')[0])")
     env = dict(os.environ, DFLASH_BACKEND="torch")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "torch"

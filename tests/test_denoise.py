@@ -7,7 +7,6 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.reference import denoise as ref
-
 from support import KERNEL_BACKENDS, as_f64, as_torch, make_float, readonly
 
 SAMPLING = st.tuples(st.sampled_from([0.3, 1.0, 2.5]), st.sampled_from([0, 1, 7, 10_000]),

@@ -7,9 +7,7 @@ from hypothesis import example, given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.reference import dense as ref
-
-from support import (KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close, make_float,
-                     readonly)
+from support import KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close, make_float, readonly
 
 DTYPES = st.sampled_from(["float32", "bfloat16"])
 SEEDS = st.integers(0, 2**32 - 1)
@@ -302,7 +300,8 @@ def test_small_ops_cython_equals_numba():
     if len(KERNEL_BACKENDS) < 2:
         pytest.fail(f"both kernel backends should load here, got {KERNEL_BACKENDS}")
     rng = np.random.default_rng(11)
-    x, res, w = make_float(rng, (5, 3, 136), "float32"), make_float(rng, (5, 3, 136), "float32"), make_float(rng, (136,), "bfloat16")
+    x, res = make_float(rng, (5, 3, 136), "float32"), make_float(rng, (5, 3, 136), "float32")
+    w = make_float(rng, (136,), "bfloat16")
     pos = rng.integers(0, 262144, 5)
     runs = {b: (dk.rms_norm(x, w, 1e-6, offset=1.0, residual=res, backend=b), dk.apply_rope(x, pos, 1e7, 34, backend=b),
                 dk.silu_and_mul(x.reshape(15, 136), backend=b)) for b in ("cython", "numba")}

@@ -7,7 +7,6 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels.linear_attention as la
 from dflash_kernels.reference import linear_attention as ref
-
 from support import ALL_BACKENDS, KERNEL_BACKENDS, TOLERANCE, as_f64, as_torch, assert_close, make_float, readonly
 
 # The state carries the whole history: errors of 130 recurrent steps stay ~1e-7 on O(1) values.
@@ -244,7 +243,8 @@ def test_causal_conv1d_chained_blocks_equal_one_block(backend):
     w = rng.standard_normal((9, 4)).astype(np.float32)
     s_all, s_parts = np.zeros((9, 3), np.float32), np.zeros((9, 3), np.float32)
     y_all = la.causal_conv1d(x, w, s_all, backend=backend)
-    y_parts = np.concatenate([la.causal_conv1d(x[a:b], w, s_parts, backend=backend) for a, b in ((0, 1), (1, 7), (7, 12))])
+    y_parts = np.concatenate([la.causal_conv1d(x[a:b], w, s_parts, backend=backend)
+                              for a, b in ((0, 1), (1, 7), (7, 12))])
     assert_close(y_parts, y_all, **TOLERANCE["float32"], what="y")
     np.testing.assert_array_equal(s_parts, s_all)
     st_t = torch.zeros(9, 3)

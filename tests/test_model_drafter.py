@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dflash_kernels.model as dm
-from checkpoints import ckpt_dir, write_dflash  # noqa: F401  (fixture)
+from checkpoints import write_dflash
 from dflash_kernels.reference.drafter import drafter_hidden
 from support import as_f64, assert_close
 

@@ -13,7 +13,7 @@ import pytest
 
 import dflash_kernels as dk
 import dflash_kernels.model as dm
-from checkpoints import ckpt_dir, special_id, write_dflash  # noqa: F401  (fixture)
+from checkpoints import special_id, write_dflash
 from support import MACHINE_TIERS
 
 N_PROMPTS = 20
@@ -250,7 +250,7 @@ def test_sampling_top_k_top_p_support(hot):
         h, _ = hot.target.forward(ids[:-1], cache, taps=False)
         logits = hot.target.logits(h)[len(prompt) - 1 :]
         top2 = np.argsort(-logits, axis=-1, kind="stable")[:, :2]
-        assert all(t in row for t, row in zip(res.token_ids, top2)), seed
+        assert all(t in row for t, row in zip(res.token_ids, top2, strict=True)), seed
     res = hot.generate(prompt, 12, temperature=1.0, top_p=1e-6, seed=0, num_speculative_tokens=5, ignore_eos=True)
     assert res.token_ids == hot.generate(prompt, 12, num_speculative_tokens=0, ignore_eos=True).token_ids
 

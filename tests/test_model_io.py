@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import dflash_kernels as dk
 import dflash_kernels.model as dm
-from checkpoints import SPECIALS, ckpt_dir, special_id, write_dflash  # noqa: F401  (fixture)
+from checkpoints import SPECIALS, special_id, write_dflash
 
 
 @pytest.fixture

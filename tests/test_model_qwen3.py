@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import dflash_kernels.model as dm
-from checkpoints import ckpt_dir, write_qwen3  # noqa: F401  (fixture)
 from support import assert_close
 
 transformers = pytest.importorskip("transformers")

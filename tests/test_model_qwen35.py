@@ -14,9 +14,9 @@ import torch
 
 import dflash_kernels as dk
 import dflash_kernels.model as dm
-from dflash_kernels.model._ops import Ops
 from checkpoints import write_qwen3
 from checkpoints_qwen35 import write_dflash_for_qwen35, write_qwen35
+from dflash_kernels.model._ops import Ops
 from support import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -217,7 +217,7 @@ def snapshot(cache):
 
 def assert_same_state(got, ref, what):
     assert got[0] == ref[0], f"{what}: length {got[0]} != {ref[0]}"
-    for name, g, r in zip(("recurrent states", "conv states", "K", "V"), got[1:], ref[1:]):
+    for name, g, r in zip(("recurrent states", "conv states", "K", "V"), got[1:], ref[1:], strict=True):
         assert_close(g, r, **STATE_TOL, what=f"{what}: {name}")
 
 

@@ -10,7 +10,7 @@ from numba import njit, prange
 
 from .._threads import numba_threads
 from ._common import JIT, load_f32
-from .acceptance import BS, OK, BAD_LOGIT, prepare_row, sample_row
+from .acceptance import BAD_LOGIT, BS, OK, prepare_row, sample_row
 
 CHUNK = 1024  # vocab rows per parallel task
 NT, NV = 4, 2  # register tile: 4 hidden rows x 2 vocab rows = 8 accumulators

@@ -11,8 +11,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .._threads import numba_threads
-from ._common import JIT as _JIT
-from ._common import bits_as_f32, fast_exp
+from ._common import JIT as _JIT, bits_as_f32, fast_exp
 
 # error_model="numpy": no zero-division checks in float divisions, which would block vectorisation.
 JIT = dict(_JIT, error_model="numpy")

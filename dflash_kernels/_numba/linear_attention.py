@@ -144,11 +144,11 @@ def _chunked(q, k, v, g, beta, state, o, scale, l2norm, C):
                 for p in range(dk):
                     W[i, p] = b * kn[c0 + i, p] * eg
                 for j in range(i):
-                    l = KK[i, j]
+                    lij = KK[i, j]
                     for jv in range(dv):
-                        U[i, jv] -= l * U[j, jv]
+                        U[i, jv] -= lij * U[j, jv]
                     for p in range(dk):
-                        W[i, p] -= l * W[j, p]
+                        W[i, p] -= lij * W[j, p]
             # v_new = U - W S;  O = (q exp(G)) S + A v_new
             for i in range(c):
                 eg = np.exp(G[i])

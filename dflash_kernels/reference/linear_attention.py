@@ -102,7 +102,8 @@ def causal_conv1d(x, weight, conv_state, *, activation="silu", checkpoints=False
     new_state = xpad[T:].transpose(0, 1).contiguous()  # (C, K-1)
     if not checkpoints:
         return y, new_state
-    states = torch.stack([xpad[t + 1 : t + K].transpose(0, 1) for t in range(T)]) if T else x.new_zeros((0, *new_state.shape))
+    states = (torch.stack([xpad[t + 1 : t + K].transpose(0, 1) for t in range(T)]) if T
+              else x.new_zeros((0, *new_state.shape)))
     return y, new_state, states
 
 
