@@ -38,10 +38,10 @@ def tier_lines() -> list[str]:
         lines.append(f"linear bf16 weights, M={rows} ({what}): "
                      + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
     lines.append(f"linear fp32 weights, M=16: {dense.path_name(16, 4096, 4096, False, parts)}")
-    packs = {p: dense.packed_pays(4096, 4096, True, PRECISIONS[p]) for p in PRECISIONS}
-    lines.append("prepare_weight (what the model layer does with its weights), bf16: "
-                 + ", ".join(f"{p} -> {'packed' if v else 'row-major'}" for p, v in packs.items())
-                 + "; packed paths: " + ", ".join(f"M={m} {dense.packed_path_name(m, True)}" for m in (1, 16)))
+    for rows in (1, 16):
+        paths = {p: dense.packed_path_name(rows, True, PRECISIONS[p]) for p in PRECISIONS}
+        lines.append(f"linear bf16 weights packed (dk.prepare_weight, as the model layer holds them), M={rows}: "
+                     + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
     from ._autotune import cache_file, delegated_entries
 
     entries = sorted(delegated_entries(default_threads()))

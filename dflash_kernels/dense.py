@@ -100,10 +100,11 @@ def pack_weight(weight) -> PackedWeight:
 
 
 def prepare_weight(weight, *, precision=None, backend="auto"):
-    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` on the FMA and
-    AMX paths, else ``weight`` unchanged (bf16 blocks on vdpbf16ps, where that pays, read the
-    row-major layout).
-    For callers that keep a weight for many calls (a model's layers); see ``PackedWeight``."""
+    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where the Cython
+    kernels run (every compiled path, FMA, AMX or vdpbf16ps tiles, has a packed form at least as
+    fast as its row-major one), else ``weight`` unchanged (Numba and torch read the row-major layout).
+    For callers that keep a weight for many calls (a model's layers); see ``PackedWeight``.
+    ``precision`` is accepted for callers that prepare per precision; the layout does not depend on it."""
     if isinstance(weight, PackedWeight):
         return weight
     w = float_array(weight, "weight", ndim=2)

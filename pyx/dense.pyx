@@ -56,9 +56,11 @@ cdef extern from "dk_packed.h" nogil:
     long dk_pk_kpad(long K)
     long dk_pk_amx_rows(long M)
     int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, long ldx, int parts,
-                        unsigned short *xb)
+                        int tiled, unsigned short *xb)
     void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const unsigned short *xb,
                    const unsigned short *P, const float *bias, float *out)
+    void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, const unsigned short *xb,
+                     const unsigned short *P, const float *bias, float *out)
 
 cdef extern from "dk_amx.h" nogil:
     int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_MB
@@ -104,7 +106,8 @@ cdef enum:
     PATH_AMX = 3          # AMX-BF16 tiles
     PATH_FMA_PACKED = 4   # weights packed at load (dk_packed.h): broadcast register tiles on FMA
     PATH_AMX_PACKED = 5   # weights packed at load: AMX tiles (M > DK_MR, bf16)
-_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed")
+    PATH_BF16DOT_PACKED = 6  # weights packed at load: vdpbf16ps tiles ("high" / "medium", where it pays)
+_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed", "bf16dot-packed")
 cdef int _last_path = -1
 
 
@@ -165,19 +168,28 @@ cdef int _choose_path(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int p
     return PATH_FMA_GEMV if M <= DK_MR else PATH_FMA_BLOCK
 
 
+cdef int _choose_packed_path(Py_ssize_t M, bint bf16, int parts) noexcept nogil:
+    """The path linear_packed takes (x without inf / NaN): AMX tiles for bf16 blocks where the CPU
+    has them, vdpbf16ps for "high" / "medium" where it measured ahead of FMA, else the FMA tiles."""
+    if bf16 and M > DK_MR and _amx_enabled and DK_AMX_BUILT and dk_amx_ready():
+        return PATH_AMX_PACKED
+    if bf16 and parts < 3 and DK_DP_BUILT and _dp_pays == 1:
+        return PATH_BF16DOT_PACKED
+    return PATH_FMA_PACKED
+
+
 def packed_pays(Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
     """Whether packing a weight (N, K) for linear_packed beats its row-major paths on this tier at
-    `parts` activation parts: yes on FMA (fma-packed) and AMX (amx-packed); no where its blocks
-    (M > DK_MR) would take vdpbf16ps, which reads the row-major layout."""
+    `parts` activation parts. Every path has a packed form that is at least as fast (FMA, AMX and
+    vdpbf16ps tiles), so: yes."""
+    return True
+
+
+def packed_path_name(Py_ssize_t M, bint bf16, int parts=3):
+    """"<tier>:<path>" that linear_packed takes for M rows and `parts` activation parts."""
     if bf16 and parts < 3:
         bf16dot_pays()
-    return _choose_path(DK_MR + 1, K, N, bf16, parts) != PATH_BF16DOT
-
-
-def packed_path_name(Py_ssize_t M, bint bf16):
-    """"<tier>:<path>" that linear_packed takes for M rows (x without inf / NaN)."""
-    amx = bf16 and M > DK_MR and _amx_enabled and DK_AMX_BUILT and dk_amx_ready()
-    return f"{TIER}:{_PATH_NAMES[PATH_AMX_PACKED if amx else PATH_FMA_PACKED]}"
+    return f"{TIER}:{_PATH_NAMES[_choose_packed_path(M, bf16, parts)]}"
 
 
 def path_name(Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
@@ -386,7 +398,7 @@ cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const floa
     if xb == NULL:
         raise MemoryError()
     for b in prange(nblk, nogil=True, num_threads=min(nt, nblk)):
-        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, xb)
+        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, 1, xb)
     if finite != nblk:
         free(xb)
         return 0
@@ -396,6 +408,27 @@ cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const floa
         for g in prange(nitems, schedule="static"):
             dk_pk_amx(M, K, N, 2 * g, min(<Py_ssize_t> 2, npanels - 2 * g), parts, xb, P, bp, op)
         dk_amx_end()
+    free(xb)
+    return 1
+
+
+cdef int _linear_packed_bf16dot(const float *xp, const unsigned short *P, const float *bp, float *op,
+                                Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt):
+    """bf16dot-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
+    cdef Py_ssize_t rows = dk_pk_amx_rows(M), nblk = rows // 16, b, g, finite = 0
+    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
+    cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV
+    cdef unsigned short *xb = <unsigned short *> aligned_alloc(
+        64, (parts * rows * dk_pk_kpad(K) * sizeof(unsigned short) + 63) // 64 * 64)
+    if xb == NULL:
+        raise MemoryError()
+    for b in prange(nblk, nogil=True, num_threads=min(nt, nblk)):
+        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, 0, xb)
+    if finite != nblk:
+        free(xb)
+        return 0
+    for g in prange(ngroups, nogil=True, num_threads=min(nt, ngroups), schedule="static"):
+        dk_pkdp_run(M, K, N, g * DK_PK_NV, min(npanels, (g + 1) * DK_PK_NV), parts, xb, P, bp, op)
     free(xb)
     return 1
 
@@ -425,11 +458,17 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
     cdef const float *bp = NULL if bias is None else &bias[0]
     cdef float *op = &out[0, 0]
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
-    if bf16 and M > DK_MR and _amx_enabled and DK_AMX_BUILT and dk_amx_ready():
-        _last_path = PATH_AMX_PACKED
+    if bf16 and parts < 3 and _dp_pays < 0:
+        bf16dot_pays()
+    cdef int path = _choose_packed_path(M, bf16, parts)
+    _last_path = path
+    if path == PATH_AMX_PACKED:
         if _linear_packed_amx(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
             return
-        _last_path = PATH_FMA_PACKED  # inf / NaN in x: IEEE results from the FMA tiles
+    elif path == PATH_BF16DOT_PACKED:
+        if _linear_packed_bf16dot(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
+            return
+    _last_path = PATH_FMA_PACKED  # (also for inf / NaN in x: IEEE results from the FMA tiles)
     # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
     # tiles broadcast from DK_PK_MR rows at once, which a 4 KiB-multiple stride would put into one
     # L1 set.

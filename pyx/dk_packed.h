@@ -25,6 +25,8 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #ifndef DK_PACKED_H
 #define DK_PACKED_H
 
+#include <stdlib.h>
+
 #include "dk_dense.h"
 #include "dk_amx.h"
 
@@ -194,8 +196,8 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
 
    out = x W^T as C (16 rows x 16 columns, fp32) += A (16 x rows, 32 k of one activation part, bf16)
    . B (16 k-pairs of one panel: 1 KiB, contiguous in P). The activations are split into `parts`
-   bf16 parts (dk_bf16dot.h) and stored row-major with K padded to dk_pk_kpad(K) and the rows to a
-   multiple of 16 (zeros): an A tile is 16 rows of 64 bytes, loaded in place. Tiles: 0-1 accumulate
+   bf16 parts (dk_bf16dot.h) once per call, K padded to dk_pk_kpad(K) and the rows to a multiple of
+   16 (zeros), and stored as contiguous A tiles (dk_pk_amx_split, tiled). Tiles: 0-1 accumulate
    two panels (32 output columns), 2-3 hold their B tiles, 4-6 the A tiles of the parts; both B
    tiles are loaded before the products (dk_amx.h: a reload waits for the products reading it). */
 
@@ -203,22 +205,33 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
 static long dk_pk_amx_rows(long M) { return (M + 15) / 16 * 16; }
 
 /* Split x (M, K; row stride ldx) into `parts` planes of (dk_pk_amx_rows(M), dk_pk_kpad(K)) bf16
-   (zeros past M and K), rows [m0, m1) only. Returns 0 when those rows hold inf or NaN (the parts of
-   inf are NaN: the caller takes the FMA path, IEEE results). */
+   (zeros past M and K), rows [m0, m1) only. tiled = 0: plane q row-major (the bf16dot-packed
+   layout); tiled = 1: AMX A tiles, each contiguous, [m block][K step of 32][part][16 rows][32]
+   (a tile load then reads 1 KiB in sequence: re-read from L2 for every pair of panels, the
+   row-major planes' 16 strided lines per tile ran amx-packed below the row-major AMX path).
+   Returns 0 when those rows hold inf or NaN (the parts of inf are NaN: the caller takes the FMA
+   path, IEEE results). */
 static int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, long ldx, int parts,
-                           uint16_t *xb) {
+                           int tiled, uint16_t *xb) {
     const long kp = dk_pk_kpad(K), plane = dk_pk_amx_rows(M) * kp;
     uint32_t bad = 0;
-    uint16_t *p1 = parts > 1 ? xb + plane : NULL, *p2 = parts > 2 ? xb + 2 * plane : NULL;
+    uint16_t *row = tiled ? (uint16_t *)malloc(3 * kp * sizeof(uint16_t)) : NULL;
+    if (tiled && !row) return 0;
     for (long m = m0; m < m1; m++) {
-        long o = m * kp;
-        if (m < M) {
-            bad |= dk_split_run(x + m * ldx, K, parts, xb + o, p1 ? p1 + o : NULL, p2 ? p2 + o : NULL);
-        }
+        uint16_t *p0 = tiled ? row : xb + m * kp;
+        uint16_t *p1 = tiled ? row + kp : xb + plane + m * kp, *p2 = tiled ? row + 2 * kp : xb + 2 * plane + m * kp;
         long from = m < M ? K : 0;
-        for (int q = 0; q < parts; q++)
-            memset(xb + q * plane + o + from, 0, (kp - from) * sizeof(uint16_t));
+        if (m < M) bad |= dk_split_run(x + m * ldx, K, parts, p0, parts > 1 ? p1 : NULL, parts > 2 ? p2 : NULL);
+        uint16_t *ps[3] = {p0, p1, p2};
+        for (int q = 0; q < parts; q++) memset(ps[q] + from, 0, (kp - from) * sizeof(uint16_t));
+        if (tiled) {
+            long mb = m / 16, r = m % 16, nsteps = kp / 32;
+            for (long st = 0; st < nsteps; st++)
+                for (int q = 0; q < parts; q++)
+                    memcpy(xb + (((mb * nsteps + st) * parts + q) * 16 + r) * 32, ps[q] + st * 32, 64);
+        }
     }
+    free(row);
     return bad == 0;
 }
 
@@ -226,19 +239,19 @@ static int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, lon
 /* out[:, 16 p0 : 16 (p0 + np)] (clipped to N) for panels p0, p0 + 1 (np = 2) or p0 alone (np = 1) */
 DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int np, const uint16_t *xb,
                            const uint16_t *P, const float *bias, float *out) {
-    const long kp = dk_pk_kpad(K), plane = dk_pk_amx_rows(M) * kp, pstride = dk_pk_panel_elems(K, 1);
+    const long kp = dk_pk_kpad(K), nsteps = kp / 32, pstride = dk_pk_panel_elems(K, 1);
     const uint16_t *b0 = P + p0 * pstride, *b1 = b0 + pstride;
     float tmp[256] __attribute__((aligned(64)));
     for (long m0 = 0; m0 < M; m0 += 16) {
-        const uint16_t *a = xb + m0 * kp;
+        const uint16_t *a = xb + m0 / 16 * nsteps * parts * 512;  /* this m block's tiles */
         _tile_zero(0);
         _tile_zero(1);
-        for (long s = 0; s < kp / 32; s++) {
+        for (long s = 0; s < nsteps; s++, a += parts * 512) {
             _tile_loadd(2, b0 + s * 512, 64);
             if (np > 1) _tile_loadd(3, b1 + s * 512, 64);
-            _tile_loadd(4, a + s * 32, kp * 2);
-            if (parts > 1) _tile_loadd(5, a + plane + s * 32, kp * 2);
-            if (parts > 2) _tile_loadd(6, a + 2 * plane + s * 32, kp * 2);
+            _tile_loadd(4, a, 64);
+            if (parts > 1) _tile_loadd(5, a + 512, 64);
+            if (parts > 2) _tile_loadd(6, a + 1024, 64);
             _tile_dpbf16ps(0, 4, 2);
             if (np > 1) _tile_dpbf16ps(1, 4, 3);
             if (parts > 1) { _tile_dpbf16ps(0, 5, 2); if (np > 1) _tile_dpbf16ps(1, 5, 3); }
@@ -275,6 +288,94 @@ static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const 
 static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const uint16_t *xb,
                       const uint16_t *P, const float *bias, float *out) {
     (void)M; (void)K; (void)N; (void)p0; (void)np; (void)parts; (void)xb; (void)P; (void)bias; (void)out;
+}
+#endif
+
+/* ---- vdpbf16ps over the packed layout ("bf16dot-packed", AVX512-BF16 without AMX) ---------------
+
+   "high" / "medium" on a CPU whose vdpbf16ps issues like an FMA (Zen 4: twice the FMA path's
+   multiply-adds per instruction). A packed k-pair row of a panel is the vdpbf16ps B operand as it
+   is; the A operand is one activation part's k-pair of row i, broadcast as a 32-bit word:
+       acc[i][v] = vdpbf16ps(acc[i][v], broadcast(xpart[i, 2q : 2q + 2]), P[v][q])
+   an 8 x 3 tile of 16-column accumulators, as the FMA tiles. The activation parts are the planes of
+   dk_pk_amx_split (K zero-padded to dk_pk_kpad, so no tail). vdpbf16ps treats bf16 denormals as zero
+   (as the row-major bf16dot path does); products are otherwise exact and the sums fp32. */
+#if DK_DP_BUILT
+DK_AI void dk_pkdp_tile(const int mr, const int nv, const int parts, long q0, long nq, const uint32_t *xw,
+                        long ldxw, long planew, const uint32_t *Pw, long pstridew, int first,
+                        const float *bias, float *out, long ldo, long ncols) {
+    __m512 acc[DK_PK_MR][DK_PK_NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_ps();
+    for (long q = q0; q < q0 + nq; q++) {
+        __m512i w[DK_PK_NV];
+        for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512(Pw + v * pstridew + q * 16);
+        for (int p = 0; p < parts; p++)
+            for (int i = 0; i < mr; i++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)xw[p * planew + i * ldxw + q]);
+                for (int v = 0; v < nv; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, (__m512bh)w[v]);
+            }
+    }
+    float t[DK_PK_NV * DK_PK_COLS];
+    for (int i = 0; i < mr; i++) {
+        float *o = out + i * ldo;
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(t + v * 16, acc[i][v]);
+        for (long j = 0; j < ncols; j++) {
+            float s = t[j];
+            if (!first) s += o[j];
+            if (bias) s += bias[j];
+            o[j] = s;
+        }
+    }
+}
+
+static void dk_pkdp_tile_any(int mr, int nv, int parts, long q0, long nq, const uint32_t *xw, long ldxw,
+                             long planew, const uint32_t *Pw, long pstridew, int first, const float *bias,
+                             float *out, long ldo, long ncols) {
+#define DK_PKDP_T(MR_, NV_) \
+    if (parts == 1) dk_pkdp_tile(MR_, NV_, 1, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols); \
+    else dk_pkdp_tile(MR_, NV_, 2, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols);
+#define DK_PKDP_NVS(MR_) \
+    if (nv == 3) { DK_PKDP_T(MR_, 3) } else if (nv == 2) { DK_PKDP_T(MR_, 2) } else { DK_PKDP_T(MR_, 1) }
+    switch (mr) {
+    case 1: DK_PKDP_NVS(1) break;
+    case 2: DK_PKDP_NVS(2) break;
+    case 3: DK_PKDP_NVS(3) break;
+    case 4: DK_PKDP_NVS(4) break;
+    case 5: DK_PKDP_NVS(5) break;
+    case 6: DK_PKDP_NVS(6) break;
+    case 7: DK_PKDP_NVS(7) break;
+    case 8: DK_PKDP_NVS(8) break;
+    }
+#undef DK_PKDP_NVS
+#undef DK_PKDP_T
+}
+
+/* As dk_pk_run, for panels [plo, phi), from the activation planes xb of dk_pk_amx_split; parts 1 or 2
+   ("highest" stays on the FMA tiles, whose exact fp32 x needs no parts). */
+static void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, const uint16_t *xb,
+                        const uint16_t *P, const float *bias, float *out) {
+    const long kp = dk_pk_kpad(K), ldxw = kp / 2, planew = dk_pk_amx_rows(M) * ldxw;
+    const long pstridew = dk_pk_panel_elems(K, 1) / 2, qc = DK_PK_KC / 2;
+    for (long p0 = plo; p0 < phi; p0 += DK_PK_NV) {
+        int nv = phi - p0 < DK_PK_NV ? (int)(phi - p0) : DK_PK_NV;
+        long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
+        const uint32_t *pg = (const uint32_t *)P + p0 * pstridew;
+        for (long q0 = 0; q0 < ldxw; q0 += qc) {
+            long nq = ldxw - q0 < qc ? ldxw - q0 : qc;
+            int first = q0 == 0, last = q0 + nq == ldxw;
+            for (long i = 0; i < M; i += DK_PK_MR) {
+                int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
+                dk_pkdp_tile_any(mr, nv, parts, q0, nq, (const uint32_t *)xb + i * ldxw, ldxw, planew, pg,
+                                 pstridew, first, last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols);
+            }
+        }
+    }
+}
+#else
+static void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, const uint16_t *xb,
+                        const uint16_t *P, const float *bias, float *out) {
+    (void)M; (void)K; (void)N; (void)plo; (void)phi; (void)parts; (void)xb; (void)P; (void)bias; (void)out;
 }
 #endif
 

@@ -155,30 +155,53 @@ def test_linear_packed_torch_and_leading_dims():
     assert_close(got.numpy().reshape(6, 24), dk.linear(x, w), **TOLERANCE["bfloat16"], what="torch io")
 
 
-def test_prepare_weight_follows_the_path():
-    cdense = dk.kernel_module("dense", "cython")
+def test_prepare_weight_packs_for_cython_only():
     w16 = make_float(np.random.default_rng(0), (64, 256), "bfloat16")
     w32 = make_float(np.random.default_rng(0), (64, 256), "float32")
-    # fp32 weights never take AMX or vdpbf16ps: packed on every tier
-    assert isinstance(dk.prepare_weight(w32), dk.PackedWeight)
-    for tier in MACHINE_TIERS:
+    for tier in MACHINE_TIERS:  # every compiled path has a packed form (FMA, AMX, vdpbf16ps tiles)
         dk.set_isa(tier)
         try:
-            got = dk.prepare_weight(w16)
-            pays = dk.kernel_module("dense", "cython").packed_pays(256, 64, True, 3)
-            assert isinstance(got, dk.PackedWeight) == pays
-            # packed everywhere but where 16-row blocks would take vdpbf16ps on the row-major layout
-            assert pays == (not dk.kernel_module("dense", "cython").path_name(16, 256, 64, True).endswith("bf16dot"))
+            for w in (w16, w32):
+                for precision in PRECISIONS:
+                    assert isinstance(dk.prepare_weight(w, precision=precision), dk.PackedWeight)
         finally:
             dk.set_isa(None)
-    old = cdense.set_amx_enabled(False)
-    try:
-        assert isinstance(dk.prepare_weight(w16, precision="highest"), dk.PackedWeight)
-    finally:
-        cdense.set_amx_enabled(old)
     assert dk.prepare_weight(w16, backend="numba") is w16  # only Cython reads the packed layout
     p = dk.pack_weight(w16)
     assert dk.prepare_weight(p) is p
+
+
+@pytest.mark.parametrize("tier", [t for t in MACHINE_TIERS if t in ("avx512_bf16", "amx")])
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 40), (5, 33, 31), (16, 130, 1000), (20, 50, 600)])
+def test_bf16dot_packed_path_forced(tier, parts, m, n, k):
+    """vdpbf16ps over the packed layout (taken where it beats FMA, e.g. Zen 4): forced on, it equals
+    the reference on the rounded activations (K and N tails, several K chunks and row tiles), and
+    falls back to the FMA tiles on inf / NaN."""
+    rng = np.random.default_rng(m + n + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = make_float(rng, (n, k), "bfloat16", 0.05)
+    p = dk.pack_weight(w)
+    dk.set_isa(tier)
+    dense = dk.kernel_module("dense", "cython")
+    old, old_amx = dense.set_bf16dot_enabled(True), dense.set_amx_enabled(False)
+    try:
+        out = np.empty((m, n), np.float32)
+        dense.linear_packed(x, p.data, None, out, n_threads=2, parts=parts)
+        assert dense.last_path() == f"{tier}:bf16dot-packed"
+        assert dense.packed_path_name(m, True, parts) == f"{tier}:bf16dot-packed"
+        xr = round_activations(torch.from_numpy(x), parts).double().numpy()
+        scale = np.abs(x).astype(np.float64) @ np.abs(as_f64(w).numpy()).T
+        assert np.all(np.abs(out - xr @ as_f64(w).numpy().T) <= 2e-6 * scale + 1e-30)
+        x[0, 0] = np.inf
+        dense.linear_packed(x, p.data, None, out, n_threads=2, parts=parts)
+        assert dense.last_path() == f"{tier}:fma-packed"
+        assert np.isinf(out[0]).any() or np.isnan(out[0]).any()
+        assert np.isfinite(out[1:]).all()
+    finally:
+        dense.set_bf16dot_enabled(old)
+        dense.set_amx_enabled(old_amx)
+        dk.set_isa(None)
 
 
 def test_packed_bad_input_named():
