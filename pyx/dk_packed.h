@@ -235,6 +235,10 @@ static int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, lon
     return bad == 0;
 }
 
+#ifndef DK_PK_AMX_PF
+#define DK_PK_AMX_PF 8  /* B-tile prefetch distance, in K steps of 32 (2 KiB per panel) */
+#endif
+
 #if DK_AMX_BUILT
 /* out[:, 16 p0 : 16 (p0 + np)] (clipped to N) for panels p0, p0 + 1 (np = 2) or p0 alone (np = 1) */
 DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int np, const uint16_t *xb,
@@ -247,6 +251,14 @@ DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int
         _tile_zero(0);
         _tile_zero(1);
         for (long s = 0; s < nsteps; s++, a += parts * 512) {
+            /* the B tiles DK_PK_AMX_PF steps ahead, into L2: two sequential streams alone left the
+               tile loads waiting on L3 (the row-major path's 16 strided rows keep more lines in
+               flight) */
+            if (m0 == 0)
+                for (int l = 0; l < 16; l++) {
+                    __builtin_prefetch(b0 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
+                    if (np > 1) __builtin_prefetch(b1 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
+                }
             _tile_loadd(2, b0 + s * 512, 64);
             if (np > 1) _tile_loadd(3, b1 + s * 512, 64);
             _tile_loadd(4, a, 64);
