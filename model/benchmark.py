@@ -47,7 +47,7 @@ def _row(mode, temperature, k, metrics) -> dict:
 
 
 def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temperatures=(0.0, 0.7),
-              num_speculative_tokens=None, out_dir=None, seed=0, sweep_ks=(1, 2, 4, 8, 12, 15)) -> dict:
+              num_speculative_tokens=None, out_dir=None, seed=0, sweep_ks=(1, 2, 4, 8, 12, 15, "auto")) -> dict:
     """AR vs DFlash per temperature (+ a greedy throughput-vs-k sweep); returns rows and markdown."""
     if eng.drafter is None:
         raise ValueError("dflash bench compares autoregressive with DFlash: load a drafter")
@@ -66,10 +66,12 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
         rows.append(_row("autoregressive", temp, 0, m_ar))
         rows.append(_row("dflash", temp, k, m_sd))
         rows[-1]["speedup"] = m_sd.tokens_per_second / m_ar.tokens_per_second
+        rows[-1]["k_histogram"] = m_sd.k_histogram  # rounds per k (several with "auto")
     sweep = []
     if sweep_ks:
         sub = prompts[: max(1, len(prompts) // 2)]
-        for kk in tqdm([x for x in sweep_ks if x <= eng.default_num_speculative_tokens], desc="k sweep", leave=False):
+        ks = [x for x in sweep_ks if x == "auto" or x <= eng.default_num_speculative_tokens]
+        for kk in tqdm(ks, desc="k sweep", leave=False):
             m = aggregate(r.metrics for r in _run(eng, sub, max_new_tokens, 0.0, kk, seed))
             sweep.append({"k": kk, "tokens_per_second": m.tokens_per_second, "tau": m.tau,
                           "acceptance_rate": m.acceptance_rate})
@@ -135,10 +137,13 @@ def plot_bench(report: dict, out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     if report["k_sweep"]:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ks = [s["k"] for s in report["k_sweep"]]
-        ax.plot(ks, [s["tokens_per_second"] for s in report["k_sweep"]], marker="o", label="DFlash")
+        fixed = [s for s in report["k_sweep"] if s["k"] != "auto"]
+        ax.plot([s["k"] for s in fixed], [s["tokens_per_second"] for s in fixed], marker="o", label="DFlash, fixed k")
         ar = next(r for r in report["rows"] if r["mode"] == "autoregressive" and r["temperature"] == 0.0)
         ax.axhline(ar["tokens_per_second"], color="gray", ls="--", label="autoregressive")
+        for s in report["k_sweep"]:
+            if s["k"] == "auto":
+                ax.axhline(s["tokens_per_second"], color="green", ls=":", label="DFlash, k auto")
         ax.set(xlabel="num_speculative_tokens", ylabel="tokens/s", title="throughput vs k (greedy)")
         ax.legend()
         paths.append(out / "throughput_vs_k.png")

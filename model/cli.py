@@ -28,8 +28,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh randomness)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help="drafts per round (default: the tuned value if `dflash tune` ran, else block_size - 1)")
+    p.add_argument("-k", "--num-speculative-tokens", type=_k_arg, default=None,
+                   help="drafts per round, or 'auto': chosen every round by measured cost and acceptance "
+                        "(default: the tuned value if `dflash tune` ran, else auto)")
 
 
 def _load(args):
@@ -58,7 +59,9 @@ def cmd_generate(args) -> int:
         sys.stdout.write(args.prompt)
     k = args.num_speculative_tokens
     if k is None and gen.drafter is not None:
-        k = tuned_num_speculative_tokens(gen)  # None -> the engine's default, block_size - 1
+        k = tuned_num_speculative_tokens(gen)
+        if k is None:  # not tuned here: chosen round by round (model/adaptive.py)
+            k = "auto"
 
     def stream(new_ids, new_text):
         sys.stdout.write(new_text or "")
@@ -192,6 +195,19 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
 
 
+def _k_arg(text):
+    """-k: an int >= 0 or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-k must be an int >= 0 or 'auto', got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"-k must be an int >= 0 or 'auto', got {text!r}")
+    return v
+
+
 def _positive(name):
     def parse(text):
         try:
@@ -241,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompts", type=_positive("--n-prompts"), default=8, help="prompts to run")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="one run per temperature")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help="drafts per round (default: the tuned k, else block_size - 1)")
+    p.add_argument("-k", "--num-speculative-tokens", type=_k_arg, default=None,
+                   help="drafts per round, or 'auto' (default: block_size - 1; the k sweep includes auto)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--out", help="directory for bench.json, bench.md and PNG plots")
     p.set_defaults(func=cmd_bench)

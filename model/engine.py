@@ -22,6 +22,7 @@ import numpy as np
 from dflash_kernels.acceptance import MIN_TEMPERATURE
 
 from ._ops import Ops
+from .adaptive import PRIOR_ACCEPT, AutoK, RoundCost
 from .config import load_dflash_config
 from .drafter import DFlashDrafter
 from .metrics import Metrics, aggregate
@@ -60,6 +61,10 @@ class Engine:
         self.target_dir = self.drafter_dir = None  # set by load()
         self._cache = None
         self._ctx = None
+        # num_speculative_tokens="auto": the round cost on this machine (kept across calls) and the
+        # last request's per-position acceptance (the next request's prior); model/adaptive.py
+        self.round_cost = RoundCost(self.default_num_speculative_tokens)
+        self.acceptance_prior = None
         # generate() is not re-entrant: the caches and the decoding state are the Engine's own
         self._busy = threading.Lock()
 
@@ -124,7 +129,7 @@ class Engine:
         return ids
 
     def generate(self, prompt_or_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed=None, num_speculative_tokens: int | None = None, stop=None,
+                 top_p: float = 1.0, seed=None, num_speculative_tokens: int | str | None = None, stop=None,
                  stream=None, ignore_eos: bool = False) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after a prompt (text, encoded without chat
         template, or token ids).
@@ -133,9 +138,11 @@ class Engine:
         with and without the drafter). temperature > 0: sampled
         with top_k (0 = off) / top_p (1 = off), lossless rejection sampling; ``seed`` (int) makes it
         reproducible. num_speculative_tokens: drafts per round, default block_size - 1; 0 or no
-        drafter = autoregressive. stop: extra stop token ids and/or stop strings (in addition to
-        the checkpoint's eos ids unless ignore_eos). stream: ``callback(new_ids, new_text)`` after
-        every round (new_text None without tokenizer).
+        drafter = autoregressive; "auto" = chosen every round, 0 included, for the most expected
+        tokens per second from this request's acceptance and this machine's measured round cost
+        (model/adaptive.py; the output does not depend on it). stop: extra stop token ids and/or
+        stop strings (in addition to the checkpoint's eos ids unless ignore_eos). stream:
+        ``callback(new_ids, new_text)`` after every round (new_text None without tokenizer).
         """
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
@@ -162,8 +169,11 @@ class Engine:
         if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
         k = self.default_num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        if not _is_int(k) or k < 0:
-            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
+        auto = isinstance(k, str) and k == "auto"
+        if auto:
+            k = self.default_num_speculative_tokens  # the most a round may draft (0 without a drafter)
+        elif not _is_int(k) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0 or 'auto', got {num_speculative_tokens!r}")
         if k > 0 and self.drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter (load(target, drafter_dir))")
         if self.drafter is not None and k > self.drafter.cfg.block_size - 1:
@@ -179,7 +189,7 @@ class Engine:
             temperature = 0.0
         run = _Run(self, int(max_new_tokens), float(temperature), int(top_k), float(top_p), seed,
                    stop_ids, stop_strings, stream, metrics)
-        run.execute(ids, int(k))
+        run.execute(ids, int(k), auto=auto and k > 0)
         self.history.append(metrics)
         out = run.out
         text = None
@@ -273,9 +283,17 @@ class _Run:
                 self.finish = "stop"
                 return
 
-    def execute(self, ids: list[int], k: int) -> None:
+    def execute(self, ids: list[int], k: int, auto: bool = False) -> None:
+        """Prefill, then rounds of k drafts (auto: the k of each round chosen by model/adaptive.py,
+        at most k)."""
         m, ops, target, drafter = self.m, self.ops, self.target, self.drafter
         use_draft = k > 0
+        # the last request's acceptance, a quarter of the way back to the optimistic prior (so that
+        # a request after one whose drafts did not pay still tries drafting)
+        prior = self.eng.acceptance_prior
+        chooser = AutoK(k, self.eng.round_cost, None if prior is None else 0.75 * prior + 0.25 * PRIOR_ACCEPT) \
+            if auto else None
+        pending = []  # taps of autoregressive steps not yet in the drafter's context (auto)
         cache, ctx = self.eng._caches()
         t_start = perf_counter()
         # prefill; the drafter's context K/V for the prompt is built chunk by chunk
@@ -292,12 +310,21 @@ class _Run:
             if room <= 0:
                 self.finish = "max_len"
                 break
-            kk = min(k, self.max_new - len(self.out) - 1, room - 1)
+            want = chooser.choose() if auto else k
+            kk = min(want, self.max_new - len(self.out) - 1, room - 1)
+            if kk > 0 and pending:  # the drafter's context for the autoregressive steps since the last round
+                drafter.add_context(np.concatenate(pending), ctx)
+                pending.clear()
             t0 = perf_counter()
-            if kk <= 0:  # autoregressive step (no drafter, or the last token of the budget)
+            callback_before = self.callback_s
+            if kk <= 0:  # autoregressive step (no drafter, auto's choice, or the last token of the budget)
                 t1 = t0
-                hidden, _ = target.forward([anchor], cache, taps=False)
+                # with auto, drafting may resume: the drafter will need this position's context,
+                # added in one batch when it does (one GEMM instead of a GEMV per step)
+                hidden, taps = target.forward([anchor], cache, taps=auto)
                 new = [self._choose(hidden)]  # the target's choice counts as verification time
+                if auto:
+                    pending.append(taps)
                 t2 = perf_counter()
                 a = 0
             else:
@@ -324,11 +351,15 @@ class _Run:
             done = self._commit(new)
             anchor = self.out[-1]
             t3 = perf_counter()
+            if auto:
+                chooser.observe(max(kk, 0), a, t3 - t0 - (self.callback_s - callback_before))
             m.draft_s += t1 - t0
             m.verify_s += t2 - t1
             m.accept_s += t3 - t2
         if self.finish is None:
             self.finish = "length"
+        if auto:
+            self.eng.acceptance_prior = chooser.acceptance.p
         m.kernel_s = ops.kernel_s - kernel0
         m.accept_s -= self.callback_s - callback0
         m.generated_tokens = len(self.out)

@@ -59,6 +59,13 @@ class Metrics:
         return out
 
     @property
+    def k_histogram(self) -> dict[int, int]:
+        """{drafts in a round: number of rounds} (0: autoregressive steps); with
+        num_speculative_tokens="auto" the k the engine chose each round."""
+        vals, counts = np.unique(np.asarray(self.drafted, dtype=np.int64), return_counts=True)
+        return {int(v): int(c) for v, c in zip(vals, counts, strict=True)}
+
+    @property
     def tau_histogram(self) -> dict[int, int]:
         """{tokens committed in a round: number of rounds}."""
         vals, counts = np.unique(np.asarray(self.accepted, dtype=np.int64) + 1, return_counts=True)

@@ -45,6 +45,23 @@ def test_bench_writes_json_markdown_and_plots(pair, tmp_path, capsys):
     for png in ("tau_histogram.png", "per_position_acceptance.png", "throughput_vs_k.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert "| dflash |" in capsys.readouterr().out
+    assert report["k_sweep"][-1]["k"] == "auto"  # the sweep ends with the adaptive choice
+
+
+def test_generate_and_bench_take_k_auto(pair, tmp_path, capsys):
+    target, drafter = pair
+    rc = main(["generate", "hello world", "--target", str(target), "--drafter", str(drafter),
+               "--max-new-tokens", "10", "-k", "auto"])
+    assert rc == 0 and capsys.readouterr().out.startswith("hello world")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hello", "world of tokens"]))
+    rc = main(["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
+               "--max-new-tokens", "12", "--temperatures", "0", "-k", "auto", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    row = next(r for r in report["rows"] if r["mode"] == "dflash")
+    assert row["num_speculative_tokens"] == "auto" and report["greedy_identical"] == {"0.0": True}
+    assert sum(row["k_histogram"].values()) > 0
 
 
 def test_tune_picks_and_stores_best_k(pair, tmp_path, monkeypatch, capsys):
@@ -76,6 +93,8 @@ def test_validate_passes_on_this_machine(capsys):
     (["tune", "--max-k", "0"], "--max-k must be an int >= 1"),
     (["bench", "--n-prompts", "0"], "--n-prompts must be an int >= 1"),
     (["tune", "--n-prompts", "0"], "--n-prompts must be an int >= 1"),
+    (["generate", "x", "-k", "fast"], "-k must be an int >= 0 or 'auto'"),
+    (["bench", "-k", "-1"], "-k must be an int >= 0 or 'auto'"),
 ])
 def test_cli_bad_counts_one_line(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:

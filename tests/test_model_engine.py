@@ -63,6 +63,21 @@ def test_greedy_lossless_every_k(hot):
     assert hist.get(1, 0) > 0 and sum(c for n, c in hist.items() if n >= 3) > 0, hist
 
 
+def test_greedy_lossless_auto_k(hot):
+    """num_speculative_tokens="auto": k chosen every round (autoregressive steps included, whose taps
+    reach the drafter's context in a batch before the next draft); output == AR greedy."""
+    ks = {}
+    for p in prompts(N_PROMPTS, seed=3):
+        ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
+        res = hot.generate(p, NEW_TOKENS, num_speculative_tokens="auto", ignore_eos=True)
+        assert res.token_ids == ref, f"prompt {p}"
+        for k, c in res.metrics.k_histogram.items():
+            ks[k] = ks.get(k, 0) + c
+    assert max(ks) == hot.default_num_speculative_tokens and len(ks) >= 2, ks  # k really varied
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 0 or 'auto'"):
+        hot.generate([1, 2], 4, num_speculative_tokens="fast")
+
+
 def test_greedy_lossless_sliding_drafter_default_taps(plain):
     for p in prompts(6, seed=1):
         ref = plain.generate(p, 20, num_speculative_tokens=0, ignore_eos=True)
@@ -222,6 +237,31 @@ def test_sampling_follows_target_distribution(warm):
             counts[s[pos]] = counts.get(s[pos], 0) + 1
         ok, stat, crit = _chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
         assert ok, f"prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f} with {len(group)} samples"
+
+
+def test_sampling_with_auto_k_follows_target_distribution(warm):
+    """num_speculative_tokens="auto" changes k from round to round (0 included): tokens 1 and 2 still
+    follow p(t1) and p(t2|t1)."""
+    T, N = 0.7, 700
+    prompt = [9, 8, 7, 6]
+    warm.reset_metrics()
+    samples = [tuple(warm.generate(prompt, 3, temperature=T, seed=5000 + s, num_speculative_tokens="auto",
+                                   ignore_eos=True).token_ids) for s in range(N)]
+    m = warm.aggregate_metrics()
+    assert {0, 1} <= set(m.k_histogram), m.k_histogram  # drafting rounds and autoregressive steps
+    checks = [((), 0)]
+    first = {}
+    for s in samples:
+        first.setdefault(s[0], []).append(s)
+    checks += [((t1,), 1) for t1, group in first.items() if len(group) >= 60]
+    assert len(checks) >= 2, "too few large groups for a conditional test"
+    for prefix, pos in checks:
+        counts = {}
+        for s in samples:
+            if s[:pos] == prefix:
+                counts[s[pos]] = counts.get(s[pos], 0) + 1
+        ok, stat, crit = _chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
+        assert ok, f"auto k, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
 
 
 def test_sampling_ar_matches_distribution_and_seed(warm):

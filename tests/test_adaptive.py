@@ -1,0 +1,103 @@
+"""num_speculative_tokens="auto" (model/adaptive.py): the estimates and the choice of k."""
+
+import numpy as np
+import pytest
+
+from dflash_kernels.model.adaptive import (
+    PRIOR_ACCEPT,
+    PRIOR_WEIGHT,
+    PROBE_EVERY,
+    AcceptanceEstimate,
+    AutoK,
+    RoundCost,
+)
+
+
+def test_acceptance_counts_what_a_round_shows():
+    a = AcceptanceEstimate(6, decay=1.0)
+    a.observe(5, 2)  # drafts 1, 2 accepted, 3 rejected, 4-5 not reached
+    assert a.trials.tolist() == [1, 1, 1, 0, 0, 0] and a.hits.tolist() == [1, 1, 0, 0, 0, 0]
+    a.observe(3, 3)  # all three accepted: no rejection seen
+    assert a.trials.tolist() == [2, 2, 2, 0, 0, 0] and a.hits.tolist() == [2, 2, 1, 0, 0, 0]
+    a.observe(0, 0)  # an autoregressive step says nothing about acceptance
+    assert a.trials.tolist() == [2, 2, 2, 0, 0, 0]
+    w = PRIOR_WEIGHT
+    assert np.allclose(a.p, [(2 + w * PRIOR_ACCEPT) / (2 + w)] * 2 + [(1 + w * PRIOR_ACCEPT) / (2 + w)]
+                       + [PRIOR_ACCEPT] * 3)
+
+
+def test_acceptance_decays_and_expected_tokens():
+    a = AcceptanceEstimate(3, decay=0.5)
+    a.observe(1, 1)
+    a.observe(1, 1)
+    assert a.trials[0] == 1.5 and a.hits[0] == 1.5
+    p = np.array([0.5, 0.5, 1.0])
+    # E(k) = 1 + p1 + p1 p2 + ...: the bonus / target token plus the accepted prefix
+    assert np.allclose(a.expected_tokens(p), [1.0, 1.5, 1.75, 2.0])
+    with pytest.raises(ValueError, match="prior must have 3 entries"):
+        AcceptanceEstimate(3, prior=[0.5, 0.5])
+
+
+def test_round_cost_follows_the_lower_envelope():
+    c = RoundCost(8)
+    c.observe(4, 99.0)  # the Engine's first round: cold, not timed
+    assert not c.draft_timed
+    c.observe(4, 1.0)
+    c.observe(4, 0.5)  # faster: halfway down at once
+    assert c.est[4] == 0.75
+    c.observe(4, 100.0)  # a descheduled thread: counts as twice the estimate, a tenth of the way
+    assert np.isclose(c.est[4], 0.75 + 0.1 * 0.75)
+    c.observe(8, 2.0)
+    c.observe(0, 0.5)
+    assert c.ar_timed and c.draft_timed
+    cost = c.costs(8)
+    assert cost[0] == 0.5 and cost[1] == cost[4] == c.est[4] and cost[8] == 2.0  # flat below the smallest k
+    assert np.isclose(cost[6], (c.est[4] + 2.0) / 2)  # linear between the k run
+
+
+def _cost(ar, draft, k_max=15):
+    c = RoundCost(k_max)
+    c.warm = True
+    c.observe(0, ar)
+    c.observe(k_max, draft)
+    return c
+
+
+def test_autok_explores_then_picks_the_best_rate():
+    k_max = 15
+    cost = RoundCost(k_max)
+    cost.warm = True
+    chooser = AutoK(k_max, cost)
+    assert chooser.choose() == k_max  # a request starts with the longest k
+    chooser.observe(k_max, 15, 3.0)
+    assert chooser.choose() == 0  # then one autoregressive step, to know what a round must beat
+    chooser.observe(0, 0, 1.0)
+    for _ in range(40):  # every draft accepted: E(15) ~ 16 tokens for 3x an AR step
+        chooser.observe(k_max, k_max, 3.0)
+    assert chooser.choose() == k_max
+
+
+def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes():
+    k_max = 15
+    chooser = AutoK(k_max, _cost(1.0, 3.0))  # a round costs 3 AR steps
+    chooser.choose()  # the request's first round: k_max
+    for _ in range(60):  # nothing is ever accepted: E(k) = 1 < 3
+        chooser.observe(k_max, 0, 3.0)
+    picks = [chooser.choose() for _ in range(PROBE_EVERY)]
+    assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
+    assert picks[-1] > 0  # after PROBE_EVERY autoregressive steps, one drafting round anyway
+    assert chooser.choose() == 0
+
+
+def test_autok_prefers_short_k_when_deep_positions_fail():
+    k_max = 15
+    cost = RoundCost(k_max)
+    cost.warm = True
+    for k in range(k_max + 1):
+        cost.observe(k, 1.0 + 0.2 * k)  # every k timed: rounds grow with k
+    chooser = AutoK(k_max, cost)
+    chooser.choose()
+    for _ in range(80):  # the first two drafts always accepted, the third never
+        chooser.observe(k_max, 2, cost.est[k_max])
+    # k = 2 commits ~3 tokens for 1.4 s; a third draft adds ~0.15 tokens for 0.2 s more
+    assert chooser.choose() == 2
