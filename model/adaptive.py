@@ -1,13 +1,13 @@
 """k chosen every round ("auto"): the draft count that maximises expected committed tokens per second.
 
-A round with k drafts commits E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i tokens on average, where p_i is
-the probability that draft i is accepted given that drafts 1..i-1 were (docs/dflash.md 5), and costs
+A round with k drafts commits E(k) = 1 + sum_{j<=k} S_j tokens on average, where S_j is the
+probability that at least j drafts are accepted (docs/dflash.md 5), and costs
 C(k) seconds on this machine (C(0): an autoregressive step; C(k >= 1): a drafter pass and a
 (k+1)-row verification). The engine picks the k, 0 included, with the largest E(k) / C(k).
 
 Both are estimated online from the rounds the engine runs anyway:
-- ``AcceptanceEstimate`` (per request): decayed success / trial counts per position, shrunk toward
-  a prior: the previous request's estimate (the pair's typical acceptance), or PRIOR_ACCEPT.
+- ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
+  drafts, shrunk toward the prior PRIOR_ACCEPT ** j.
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
   lower envelope of the times of the rounds run at each k, interpolated between them (a
   least-squares line, tried first, extrapolated its early noisy points to k = 15 at 1.4x the real
@@ -22,18 +22,23 @@ from __future__ import annotations
 import numpy as np
 
 PRIOR_ACCEPT = 0.8  # optimistic: unexplored positions look worth a try
-# pseudo-rounds behind the prior: one rejected round must not flip the choice (with 2, a single
-# rejection at position 1 made a pair whose rounds cost 3x an AR step go autoregressive)
-PRIOR_WEIGHT = 8.0
+PRIOR_WEIGHT = 2.0  # pseudo-rounds behind the prior
 DECAY = 0.97  # per drafting round: about the last 30 drafting rounds carry the estimate
-PROBE_EVERY = 32  # autoregressive steps in a row before one drafting round is tried anyway
+PROBE_EVERY = 8  # autoregressive steps in a row before one drafting round is tried anyway
 
 
 class AcceptanceEstimate:
-    """Per-position conditional acceptance p_1..p_kmax from decayed counts."""
+    """S_j = P(at least j drafts accepted | a round drafted j or more), j = 1..k_max, from decayed
+    counts shrunk toward a prior (PRIOR_ACCEPT ** j unless given). E(k) = 1 + S_1 + ... + S_k.
+
+    Every round that drafted k' >= j tells whether j drafts were accepted, so the shallow positions
+    are seen in every round and the deep ones in every long round. (A product of per-position
+    conditional estimates, tried first, let the prior decide the deep factors, which short rounds
+    seldom reach: it kept drafting at tau 2 where an autoregressive step paid more.)
+    """
 
     def __init__(self, k_max: int, prior=None, decay: float = DECAY):
-        self.prior = np.full(k_max, PRIOR_ACCEPT) if prior is None else np.asarray(prior, np.float64).copy()
+        self.prior = PRIOR_ACCEPT ** np.arange(1, k_max + 1) if prior is None else np.asarray(prior, np.float64).copy()
         if self.prior.shape != (k_max,):
             raise ValueError(f"prior must have {k_max} entries, got shape {self.prior.shape}")
         self.decay = decay
@@ -41,26 +46,23 @@ class AcceptanceEstimate:
         self.trials = np.zeros(k_max)
 
     @property
-    def p(self) -> np.ndarray:
+    def survival(self) -> np.ndarray:
         return (self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT)
 
     def observe(self, k: int, accepted: int) -> None:
-        """A round drafted k tokens and accepted the first `accepted`: positions 1..accepted were
-        accepted, position accepted+1 (if drafted) rejected, the rest not reached. An autoregressive
-        step (k = 0) says nothing about acceptance and changes nothing."""
+        """A round drafted k tokens and accepted the first `accepted`. An autoregressive step (k = 0)
+        says nothing about acceptance and changes nothing."""
         if k <= 0:
             return
         self.hits *= self.decay
         self.trials *= self.decay
-        seen = min(accepted + 1, k)
-        self.trials[:seen] += 1.0
+        self.trials[:k] += 1.0
         self.hits[:accepted] += 1.0
 
-    def expected_tokens(self, p=None) -> np.ndarray:
-        """E(k) for k = 0..k_max: tokens a round commits (the bonus / target token included), from
-        the estimate (or from the given per-position p)."""
-        p = self.p if p is None else p
-        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(p))))
+    def expected_tokens(self, survival=None) -> np.ndarray:
+        """E(k) for k = 0..k_max: tokens a round commits (the bonus / target token included)."""
+        s = self.survival if survival is None else survival
+        return np.concatenate(([1.0], 1.0 + np.cumsum(s)))
 
 
 class RoundCost:
@@ -75,12 +77,8 @@ class RoundCost:
 
     def __init__(self, k_max: int = 64):
         self.est = np.full(k_max + 1, np.nan)
-        self.warm = False  # the Engine's very first round (first calls, cold caches) is not timed
 
     def observe(self, k: int, seconds: float) -> None:
-        if not self.warm:
-            self.warm = True
-            return
         if not (seconds > 0 and np.isfinite(seconds)) or not 0 <= k < len(self.est):
             return
         e = self.est[k]
@@ -132,7 +130,7 @@ class AutoK:
             return self.k_max
         if not self.cost.ar_timed:
             return 0  # one autoregressive step, to know what a round must beat
-        rate = self.acceptance.expected_tokens()[: self.k_max + 1] / self.cost.costs(self.k_max)
+        rate = self.acceptance.expected_tokens() / self.cost.costs(self.k_max)
         k = int(np.argmax(rate))
         if k == 0:
             self.ar_run += 1
@@ -145,4 +143,5 @@ class AutoK:
 
     def observe(self, k: int, accepted: int, seconds: float) -> None:
         self.acceptance.observe(k, accepted)
-        self.cost.observe(k, seconds)
+        if self.rounds > 1:  # the first round after a prefill runs on cold caches: not a cost of k
+            self.cost.observe(k, seconds)

@@ -30,7 +30,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh randomness)")
     p.add_argument("-k", "--num-speculative-tokens", type=_k_arg, default=None,
                    help="drafts per round, or 'auto': chosen every round by measured cost and acceptance "
-                        "(default: the tuned value if `dflash tune` ran, else auto)")
+                        "(default: the tuned value if `dflash tune` ran, else block_size - 1)")
 
 
 def _load(args):
@@ -59,9 +59,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(args.prompt)
     k = args.num_speculative_tokens
     if k is None and gen.drafter is not None:
-        k = tuned_num_speculative_tokens(gen)
-        if k is None:  # not tuned here: chosen round by round (model/adaptive.py)
-            k = "auto"
+        k = tuned_num_speculative_tokens(gen)  # None -> the engine's default, block_size - 1
 
     def stream(new_ids, new_text):
         sys.stdout.write(new_text or "")

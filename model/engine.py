@@ -22,7 +22,7 @@ import numpy as np
 from dflash_kernels.acceptance import MIN_TEMPERATURE
 
 from ._ops import Ops
-from .adaptive import PRIOR_ACCEPT, AutoK, RoundCost
+from .adaptive import AutoK, RoundCost
 from .config import load_dflash_config
 from .drafter import DFlashDrafter
 from .metrics import Metrics, aggregate
@@ -61,10 +61,10 @@ class Engine:
         self.target_dir = self.drafter_dir = None  # set by load()
         self._cache = None
         self._ctx = None
-        # num_speculative_tokens="auto": the round cost on this machine (kept across calls) and the
-        # last request's per-position acceptance (the next request's prior); model/adaptive.py
+        # num_speculative_tokens="auto": the round cost on this machine, kept across calls
+        # (model/adaptive.py). Acceptance is learnt per request: a prior carried over from the last
+        # request starved the deep positions of trials (k settled at 3 where 15 paid best).
         self.round_cost = RoundCost(self.default_num_speculative_tokens)
-        self.acceptance_prior = None
         # generate() is not re-entrant: the caches and the decoding state are the Engine's own
         self._busy = threading.Lock()
 
@@ -288,11 +288,8 @@ class _Run:
         at most k)."""
         m, ops, target, drafter = self.m, self.ops, self.target, self.drafter
         use_draft = k > 0
-        # the last request's acceptance, a quarter of the way back to the optimistic prior (so that
-        # a request after one whose drafts did not pay still tries drafting)
-        prior = self.eng.acceptance_prior
-        chooser = AutoK(k, self.eng.round_cost, None if prior is None else 0.75 * prior + 0.25 * PRIOR_ACCEPT) \
-            if auto else None
+        # acceptance is learnt afresh per request (the prompt decides it); the cost is the Engine's
+        chooser = AutoK(k, self.eng.round_cost) if auto else None
         pending = []  # taps of autoregressive steps not yet in the drafter's context (auto)
         cache, ctx = self.eng._caches()
         t_start = perf_counter()
@@ -358,8 +355,6 @@ class _Run:
             m.accept_s += t3 - t2
         if self.finish is None:
             self.finish = "length"
-        if auto:
-            self.eng.acceptance_prior = chooser.acceptance.p
         m.kernel_s = ops.kernel_s - kernel0
         m.accept_s -= self.callback_s - callback0
         m.generated_tokens = len(self.out)

@@ -15,15 +15,15 @@ from dflash_kernels.model.adaptive import (
 
 def test_acceptance_counts_what_a_round_shows():
     a = AcceptanceEstimate(6, decay=1.0)
-    a.observe(5, 2)  # drafts 1, 2 accepted, 3 rejected, 4-5 not reached
-    assert a.trials.tolist() == [1, 1, 1, 0, 0, 0] and a.hits.tolist() == [1, 1, 0, 0, 0, 0]
-    a.observe(3, 3)  # all three accepted: no rejection seen
-    assert a.trials.tolist() == [2, 2, 2, 0, 0, 0] and a.hits.tolist() == [2, 2, 1, 0, 0, 0]
+    a.observe(5, 2)  # drafts 1, 2 accepted, 3 rejected: "at least j accepted" seen for j <= 5
+    assert a.trials.tolist() == [1, 1, 1, 1, 1, 0] and a.hits.tolist() == [1, 1, 0, 0, 0, 0]
+    a.observe(3, 3)  # all three accepted
+    assert a.trials.tolist() == [2, 2, 2, 1, 1, 0] and a.hits.tolist() == [2, 2, 1, 0, 0, 0]
     a.observe(0, 0)  # an autoregressive step says nothing about acceptance
-    assert a.trials.tolist() == [2, 2, 2, 0, 0, 0]
-    w = PRIOR_WEIGHT
-    assert np.allclose(a.p, [(2 + w * PRIOR_ACCEPT) / (2 + w)] * 2 + [(1 + w * PRIOR_ACCEPT) / (2 + w)]
-                       + [PRIOR_ACCEPT] * 3)
+    assert a.trials.tolist() == [2, 2, 2, 1, 1, 0]
+    w, prior = PRIOR_WEIGHT, PRIOR_ACCEPT ** np.arange(1, 7)
+    assert np.allclose(a.survival, (a.hits + w * prior) / (a.trials + w))
+    assert a.survival[5] == prior[5]  # never drafted: the prior
 
 
 def test_acceptance_decays_and_expected_tokens():
@@ -31,17 +31,16 @@ def test_acceptance_decays_and_expected_tokens():
     a.observe(1, 1)
     a.observe(1, 1)
     assert a.trials[0] == 1.5 and a.hits[0] == 1.5
-    p = np.array([0.5, 0.5, 1.0])
-    # E(k) = 1 + p1 + p1 p2 + ...: the bonus / target token plus the accepted prefix
-    assert np.allclose(a.expected_tokens(p), [1.0, 1.5, 1.75, 2.0])
+    s = np.array([0.5, 0.25, 0.25])
+    # E(k) = 1 + S_1 + ... + S_k: the bonus / target token plus the accepted prefix
+    assert np.allclose(a.expected_tokens(s), [1.0, 1.5, 1.75, 2.0])
     with pytest.raises(ValueError, match="prior must have 3 entries"):
         AcceptanceEstimate(3, prior=[0.5, 0.5])
 
 
 def test_round_cost_follows_the_lower_envelope():
     c = RoundCost(8)
-    c.observe(4, 99.0)  # the Engine's first round: cold, not timed
-    assert not c.draft_timed
+    assert not c.draft_timed and not c.ar_timed
     c.observe(4, 1.0)
     c.observe(4, 0.5)  # faster: halfway down at once
     assert c.est[4] == 0.75
@@ -57,7 +56,6 @@ def test_round_cost_follows_the_lower_envelope():
 
 def _cost(ar, draft, k_max=15):
     c = RoundCost(k_max)
-    c.warm = True
     c.observe(0, ar)
     c.observe(k_max, draft)
     return c
@@ -66,9 +64,11 @@ def _cost(ar, draft, k_max=15):
 def test_autok_explores_then_picks_the_best_rate():
     k_max = 15
     cost = RoundCost(k_max)
-    cost.warm = True
     chooser = AutoK(k_max, cost)
     assert chooser.choose() == k_max  # a request starts with the longest k
+    chooser.observe(k_max, 15, 30.0)  # right after the prefill: cold, not timed
+    assert not cost.draft_timed
+    assert chooser.choose() == k_max  # still no drafting round timed
     chooser.observe(k_max, 15, 3.0)
     assert chooser.choose() == 0  # then one autoregressive step, to know what a round must beat
     chooser.observe(0, 0, 1.0)
@@ -92,7 +92,6 @@ def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes():
 def test_autok_prefers_short_k_when_deep_positions_fail():
     k_max = 15
     cost = RoundCost(k_max)
-    cost.warm = True
     for k in range(k_max + 1):
         cost.observe(k, 1.0 + 0.2 * k)  # every k timed: rounds grow with k
     chooser = AutoK(k_max, cost)
