@@ -16,7 +16,9 @@ in the same run). For a Qwen3.5 target it also times the rollback after a k=15 v
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -72,7 +74,14 @@ class HybridShape:
 
 QWEN3_5_0_8B = HybridShape("Qwen3.5-0.8B", 1024, 3584, 24, 8, 2, 256, 248320)
 QWEN3_5_2B = HybridShape("Qwen3.5-2B", 2048, 6144, 24, 8, 2, 256, 248320)
-SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B, QWEN3_5_0_8B, QWEN3_5_2B)}
+# The seed's configuration (docs/models.md, docs/dflash.md): 32 layers in the 3:1 pattern, 16/32 linear
+# key/value heads, untied head; its drafter has 32/8 heads x 128 at width 4096 and 6 layers (the
+# larger of the two public counts).
+QWEN3_5_9B = HybridShape("Qwen3.5-9B", 4096, 12288, 32, 16, 4, 256, 248320, lin_v_heads=32, tie=False,
+                         draft_heads=32, draft_kv_heads=8)
+DRAFT_LAYERS = {"Qwen3.5-9B": 6}  # else 5
+SHAPES = {s.name: s for s in (QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B, QWEN3_5_0_8B, QWEN3_5_2B, QWEN3_5_9B)}
+PUBLISHED_TAU_RANGE = (6.01, 6.5, 7.08)  # the seed's tau at concurrency 1 (docs/dflash.md 8), k = 15
 QWEN35_MASK_TOKEN_ID = 248070  # docs/dflash.md 2: mask token of the Qwen3.5 drafters
 PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (docs/dflash.md 8)
 
@@ -122,10 +131,11 @@ def _write_drafter(d_dir: Path, dcfg: dict, *, draft_layers: int, n_target_layer
     save_file(dt, str(d_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0) -> tuple[Path, Path]:
-    """A random target at shape `s` (tied embeddings as in the real 0.6B/1.7B) and a 5-layer drafter."""
+def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0, layers: int | None = None) -> tuple[Path, Path]:
+    """A random target at shape `s` (tied embeddings as in the real 0.6B/1.7B) and a 5-layer drafter
+    (`layers`: only that many target layers, Qwen3.5 shapes)."""
     if isinstance(s, HybridShape):
-        return write_pair_qwen35(root, s, draft_layers, seed)
+        return write_pair_qwen35(root, s, draft_layers, seed, layers)
     gen = torch.Generator().manual_seed(seed)
     t_dir, d_dir = root / "target", root / "drafter"
     t_dir.mkdir(parents=True)
@@ -152,7 +162,8 @@ def write_pair(root: Path, s, draft_layers: int = 5, seed: int = 0) -> tuple[Pat
     return t_dir, d_dir
 
 
-def write_pair_qwen35(root: Path, s: HybridShape, draft_layers: int = 5, seed: int = 0) -> tuple[Path, Path]:
+def write_pair_qwen35(root: Path, s: HybridShape, draft_layers: int = 5, seed: int = 0,
+                      layers: int | None = None) -> tuple[Path, Path]:
     """A random Qwen3.5 target in the text-only ``Qwen3_5ForCausalLM`` layout (prefix ``model.``, A_log
     and linear_attn.norm.weight F32, the rest bf16; docs/models.md 2.3) and its 5-layer DFlash drafter.
     Init as the trained models look: zero-centred norm weights near 0, gated-norm weights near 1,
@@ -161,6 +172,8 @@ def write_pair_qwen35(root: Path, s: HybridShape, draft_layers: int = 5, seed: i
     t_dir, d_dir = root / "target", root / "drafter"
     t_dir.mkdir(parents=True)
     d_dir.mkdir(parents=True)
+    if layers is not None:  # the first `layers` layers of the pattern, at full width (see main)
+        s = dataclasses.replace(s, layers=layers)
     h, i, hd, nh, nkv = s.hidden, s.intermediate, s.head_dim, s.heads, s.kv_heads
     Hv, dv, K, C = s.lin_v_heads, s.lin_v_dim, s.conv_kernel, s.conv_dim
     n_freq = int(hd * s.partial_rotary) // 2
@@ -315,7 +328,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     after a k-draft verification (the Gated DeltaNet state restore), None to skip."""
     from dflash_kernels.model import load
 
-    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision)
+    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
+               fuse_weights=True)  # the layout a model that fits in memory runs with (packed weights)
     tgt, dr = eng.target, eng.drafter
     cache, ctx = tgt.new_cache(context + 64), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
@@ -332,6 +346,10 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         tgt.greedy(h)
 
     res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {}}
+    # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
+    h1, _ = tgt.forward([anchor], cache, taps=False)
+    rewind()
+    res["t_head_ar_s"] = _median(lambda: tgt.greedy(h1), repeats)
     for k in ks:
         drafts = dr.draft(anchor, k, ctx)
         block = np.concatenate([[anchor], drafts]).astype(np.int64)
@@ -353,7 +371,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
             ctx.length = n_ctx
 
         res["k"][k] = {"t_draft_s": _median(lambda k=k: dr.draft(anchor, k, ctx), repeats),
-                       "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind)}
+                       "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind),
+                       "t_head_verify_s": _median(lambda h=h: tgt.greedy(h), repeats)}
         if hybrid and rollback and k == rollback[0]:
             kept = base + rollback[1] + 1  # anchor + accepted drafts
 
@@ -389,6 +408,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     ap.add_argument("--isa", default=None, help="cap the ISA tier (as DFLASH_ISA)")
     ap.add_argument("--ks", default="1-15", help="k values: a range a-b or a comma list (default 1-15)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="Qwen3.5 shapes: write and time only this many target layers (a multiple of 4 keeps "
+                         "the 3:1 pattern) at full width, with the full LM head and drafter, and scale the "
+                         "layers' time to the full depth (for shapes that do not fit in memory)")
     args = ap.parse_args(argv)
     if args.isa:
         import dflash_kernels as dk
@@ -397,20 +420,32 @@ def main(argv=None) -> int:
     ks = (range(int(args.ks.split("-")[0]), int(args.ks.split("-")[1]) + 1) if "-" in args.ks
           else [int(k) for k in args.ks.split(",")])
     s = SHAPES[args.shape]
+    if args.layers is not None and (not isinstance(s, HybridShape) or not 1 <= args.layers <= s.layers):
+        ap.error(f"--layers needs a Qwen3.5 shape and 1 <= layers <= {s.layers}")
     torch.set_num_threads(args.threads)
+    written = False
     with tempfile.TemporaryDirectory(prefix="dflash_scale_") as tmp:
         t0 = time.time()
         root = Path(args.keep or tmp)
         if (root / "target" / "config.json").exists() and (root / "drafter" / "config.json").exists():
             t_dir, d_dir = root / "target", root / "drafter"
         else:
-            t_dir, d_dir = write_pair(root, s)
+            t_dir, d_dir = write_pair(root, s, draft_layers=DRAFT_LAYERS.get(s.name, 5), layers=args.layers)
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
+            written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
                       precision=args.precision)
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision)
+        n_layers = json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
+    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
+        f = s.layers / n_layers
+        res["timed_layers"] = n_layers
+        res["t_ar_s"] = res["t_head_ar_s"] + f * (res["t_ar_s"] - res["t_head_ar_s"])
+        for r in res["k"].values():
+            r["t_verify_s"] = r["t_head_verify_s"] + f * (r["t_verify_s"] - r["t_head_verify_s"])
     weight_bytes, kv_bytes = step_bytes(s, args.context)
     gbs = stream_read_gbs(min(weight_bytes, 2 << 30), args.threads)
     res.update(shape=s.name, threads=args.threads, step_weight_bytes=weight_bytes, kv_bytes=kv_bytes,
@@ -424,6 +459,11 @@ def main(argv=None) -> int:
         res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
     print(f"tier {res['tier']}, precision {res['precision']}")
+    if "timed_layers" in res:
+        print(f"timed {res['timed_layers']} of {s.layers} target layers at full width (with the full LM head "
+              f"and drafter) and scaled the layers' time to {s.layers} layers")
+    print(f"peak RSS {res['peak_rss_bytes'] / 2**30:.1f} GiB"
+          + (" (includes writing the random pair in this process)" if written else ""))
     print(f"{s.name}: T_ar {res['t_ar_s'] * 1e3:.1f} ms, roofline {res['roofline_step_s'] * 1e3:.1f} ms "
           f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s")
     print("| k | T_draft ms | T_verify ms | T_accept ms | verify/AR "
@@ -435,6 +475,11 @@ def main(argv=None) -> int:
         print(f"| {k} | {r['t_draft_s'] * 1e3:.1f} | {r['t_verify_s'] * 1e3:.1f} | {r['t_accept_s'] * 1e3:.2f} | "
               f"{r['t_verify_s'] / res['t_ar_s']:.2f} | {f'{pp:.2f}x' if pp else '-'} | "
               f"{f'{pm:.2f}x' if pm else '-'} |")
+    k_max = max(res["k"])
+    rnd = sum(res["k"][k_max][t] for t in ("t_draft_s", "t_verify_s", "t_accept_s"))
+    res["projected_tau_range"] = {tau: tau * res["t_ar_s"] / rnd for tau in PUBLISHED_TAU_RANGE}
+    print(f"projected at k={k_max} for the seed's tau range: "
+          + ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in res["projected_tau_range"].items()))
     rb = res.get("rollback")
     if rb:
         print(f"rollback after k={rb['k']} verification to {rb['accepted']} accepted (HybridCache.truncate): "
