@@ -17,6 +17,8 @@ from dflash_kernels._backends import resolve
 from dflash_kernels._precision import check_precision, parts as precision_parts
 from dflash_kernels._threads import resolve_threads
 
+from .weights import release_pages
+
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
 
 
@@ -70,7 +72,10 @@ class Ops:
         memory-mapped weights) stay as they are."""
         if isinstance(w, tuple):
             return w
-        return dk.prepare_weight(w, precision=self.precision, backend=self.kw["backend"])
+        out = dk.prepare_weight(w, precision=self.precision, backend=self.kw["backend"])
+        if out is not w:
+            release_pages(w)  # a memory-mapped source: its values are in the packed copy now
+        return out
 
     def linear(self, x, w):
         """x (M, K) @ w^T; w (N, K), or a tuple of row blocks (unfused weights): outputs side by side."""

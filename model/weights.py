@@ -9,6 +9,7 @@ from its weight_map, never guessed). Errors name the file and the tensor.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -174,6 +175,30 @@ def as_f32(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def release_pages(*arrays) -> None:
+    """Drop the file pages behind memory-mapped checkpoint arrays from this process's resident set
+    (madvise MADV_DONTNEED over their byte ranges), once their values live in a copy (a fused or
+    packed weight). The mapping stays valid: a later read faults the pages back in from the page
+    cache or the file. Without it, every mapped page a copy was made from stays in RSS next to the
+    copy (a Qwen3.5-9B-shape subset: 12.7 GiB for 7.7 GiB of weights). Arrays that are not views
+    of a file mapping are skipped."""
+    page = mmap.PAGESIZE
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or not a.size:
+            continue
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not isinstance(root.base, mmap.mmap):
+            continue
+        start = root.ctypes.data - int(getattr(root, "offset", 0)) % mmap.ALLOCATIONGRANULARITY
+        lo = a.ctypes.data - start
+        hi = lo + a.nbytes
+        lo, hi = -(-lo // page) * page, hi // page * page  # the whole pages inside the range
+        if hi > lo:
+            root.base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 def concat_rows(*weights: np.ndarray, fuse: bool = True):
     """Stack linear weights (N_i, K) into one (sum N_i, K) so several projections run as one GEMM.
 
@@ -187,7 +212,9 @@ def concat_rows(*weights: np.ndarray, fuse: bool = True):
     if len({w.dtype for w in ws}) > 1:
         ws = [as_f32(w) for w in ws]
     out = aligned_empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].dtype)
-    return np.concatenate(ws, axis=0, out=out)
+    np.concatenate(ws, axis=0, out=out)
+    release_pages(*weights)  # their values are in `out` now
+    return out
 
 
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:

@@ -2,6 +2,7 @@
 clear errors for broken checkpoints and mismatched drafter/target pairs."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -305,3 +306,22 @@ def test_non_finite_config_floats_named(tmp_path, key, value, match):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=match):
         dm.load(d)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_release_pages_drops_mapped_pages_and_keeps_values(tmp_path):
+    from dflash_kernels.model.weights import read_safetensors, release_pages
+
+    w = torch.randn(4096, 4096).to(torch.bfloat16)  # 32 MiB
+    save_file({"w": w, "small": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    t = read_safetensors(tmp_path / "m.safetensors")
+    expect = w.view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(t["w"], expect)  # every page read: resident
+    before = _rss_bytes()
+    release_pages(t["w"], np.ones(3), t["small"])  # (arrays that are not mapped are skipped)
+    assert before - _rss_bytes() > 24 << 20
+    assert np.array_equal(t["w"], expect)  # the mapping still reads the file
