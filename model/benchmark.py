@@ -46,6 +46,24 @@ def _row(mode, temperature, k, metrics) -> dict:
     return {"mode": mode, "temperature": temperature, "num_speculative_tokens": k, **s}
 
 
+def run_environment(eng) -> dict:
+    """What a figure depends on besides the code: the machine, the ISA tier and backend that ran,
+    the threads, the precision and the versions (recorded in bench.json)."""
+    import numba
+    import torch
+
+    import dflash_kernels as dk
+    from dflash_kernels import _isa
+    from dflash_kernels._config import isa_summary
+
+    ops = eng.ops
+    return {"threads": ops.kw["n_threads"], "backend": ops.kw["backend"], "precision": ops.precision,
+            "machine": {"cpu": _isa.cpu_model(), "isa_flags": isa_summary(), "machine_tier": _isa.machine_tier(),
+                        "tier": getattr(ops._dense, "TIER", None)},
+            "versions": {"dflash_kernels": dk.__version__, "numpy": np.__version__, "numba": numba.__version__,
+                         "torch": torch.__version__}}
+
+
 def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temperatures=(0.0, 0.7),
               num_speculative_tokens=None, out_dir=None, seed=0, sweep_ks=(1, 2, 4, 8, 12, 15, "auto")) -> dict:
     """AR vs DFlash per temperature (+ a greedy throughput-vs-k sweep); returns rows and markdown."""
@@ -76,7 +94,7 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
             sweep.append({"k": kk, "tokens_per_second": m.tokens_per_second, "tau": m.tau,
                           "acceptance_rate": m.acceptance_rate})
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows, "greedy_identical": lossless,
-              "k_sweep": sweep, "threads": getattr(eng.ops, "n_threads", None)}
+              "k_sweep": sweep, **run_environment(eng)}
     report["markdown"] = bench_markdown(report)
     if out_dir:
         out = Path(out_dir)

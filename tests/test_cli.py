@@ -46,6 +46,9 @@ def test_bench_writes_json_markdown_and_plots(pair, tmp_path, capsys):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert "| dflash |" in capsys.readouterr().out
     assert report["k_sweep"][-1]["k"] == "auto"  # the sweep ends with the adaptive choice
+    # what the figures depend on: machine, tier, backend, threads, versions
+    assert report["threads"] >= 1 and report["backend"] in ("cython", "numba", "torch", "auto")
+    assert report["machine"]["cpu"] and report["versions"]["torch"]
 
 
 def test_generate_and_bench_take_k_auto(pair, tmp_path, capsys):
