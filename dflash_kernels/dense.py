@@ -41,13 +41,14 @@ class PackedWeight:
     ``prepare_weight``.
 
     Attributes: ``shape`` (N, K); ``dtype`` of the source (float32, or uint16 bf16 bit patterns);
-    ``data``, the packed values (1-D, read-only); ``nbytes``.
+    ``data``, the packed values (1-D, read-only); ``nbytes``; ``finite``, whether every weight is
+    finite (infinite weights keep linear on the FMA tiles: IEEE x * inf, see ``linear_packed``).
     """
 
-    __slots__ = ("shape", "dtype", "data")
+    __slots__ = ("shape", "dtype", "data", "finite")
 
-    def __init__(self, shape, dtype, data):
-        self.shape, self.dtype, self.data = shape, dtype, data
+    def __init__(self, shape, dtype, data, finite=True):
+        self.shape, self.dtype, self.data, self.finite = shape, dtype, data, finite
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +97,9 @@ def pack_weight(weight) -> PackedWeight:
             w = padded
         data = np.ascontiguousarray(w.reshape(n16, PANEL, k).transpose(0, 2, 1)).ravel()
     data.flags.writeable = False
-    return PackedWeight((n, k), w.dtype, data)
+    # bf16: exponent bits all ones = inf or NaN
+    finite = bool(np.isfinite(w).all()) if w.dtype != np.uint16 else not ((w & 0x7F80) == 0x7F80).any()
+    return PackedWeight((n, k), w.dtype, data, finite)
 
 
 def prepare_weight(weight, *, precision=None, backend="auto"):
@@ -152,7 +155,7 @@ def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="aut
         if packed is not None:
             name, mod = resolve(backend, "dense")
             if name == "cython":
-                mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts)
+                mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite)
             else:  # the other backends read the row-major layout
                 run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
         elif backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \

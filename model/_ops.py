@@ -89,7 +89,8 @@ class Ops:
         if isinstance(w, dk.PackedWeight):
             if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
                 out = np.empty((x.shape[0], w.shape[0]), np.float32)
-                self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts)
+                self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts,
+                                    weights_finite=w.finite)
             else:
                 out = dk.linear(x, w, precision=self.precision, **self.kw)
         elif isinstance(w, tuple):

@@ -434,9 +434,13 @@ cdef int _linear_packed_bf16dot(const float *xp, const unsigned short *P, const 
 
 
 def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::1] bias, float[:, ::1] out,
-                  *, int n_threads, int parts=3):
+                  *, int n_threads, int parts=3, bint weights_finite=True):
     """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
-    panels of packed_elems(K) values, fp32 or bf16 bit patterns). N is out's width."""
+    panels of packed_elems(K) values, fp32 or bf16 bit patterns). N is out's width.
+
+    weights_finite=False (W holds inf or NaN; PackedWeight.finite) keeps to the FMA tiles: the AMX
+    and vdpbf16ps tiles multiply every activation part, and a part that is 0 times an infinite
+    weight gives NaN where x * inf is +-inf."""
     global _last_path
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1], m
     cdef int bf16 = 0 if wtype is float else 1
@@ -460,7 +464,7 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
     if bf16 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
-    cdef int path = _choose_packed_path(M, bf16, parts)
+    cdef int path = _choose_packed_path(M, bf16, parts) if weights_finite else PATH_FMA_PACKED
     _last_path = path
     if path == PATH_AMX_PACKED:
         if _linear_packed_amx(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):

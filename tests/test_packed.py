@@ -218,3 +218,17 @@ def test_packed_bad_input_named():
     with pytest.raises(ValueError, match="does not fit"):  # the unchecked kernel still guards memory
         dk.kernel_module("dense", "cython").linear_packed(x, p.data[:-1], None, np.empty((3, 20), np.float32),
                                                           n_threads=1)
+
+
+def test_packed_infinite_weights_follow_ieee():
+    # the AMX / vdpbf16ps tiles would multiply a zero activation part by inf (NaN): a packed weight
+    # knows it holds inf and keeps to the FMA tiles, so x * inf is +-inf as IEEE says
+    x, w, _ = _case(8, 16, 40, 64, "bfloat16")
+    x[:, 5] = np.where(x[:, 5] == 0, 1.0, x[:, 5])
+    w[3, 5] = 0x7F80  # +inf
+    p = dk.pack_weight(w)
+    assert not p.finite and dk.pack_weight(_case(8, 2, 2, 2, "bfloat16")[1]).finite
+    for precision in PRECISIONS:
+        got = dk.linear(x, p, precision=precision, backend="cython")
+        assert np.array_equal(got[:, 3], np.where(x[:, 5] > 0, np.inf, -np.inf)), precision
+        assert np.isfinite(np.delete(got, 3, axis=1)).all()
