@@ -182,6 +182,8 @@ def release_pages(*arrays) -> None:
     cache or the file. Without it, every mapped page a copy was made from stays in RSS next to the
     copy (a Qwen3.5-9B-shape subset: 12.7 GiB for 7.7 GiB of weights). Arrays that are not views
     of a file mapping are skipped."""
+    if not hasattr(mmap, "MADV_DONTNEED"):  # a platform without madvise: the pages stay
+        return
     page = mmap.PAGESIZE
     for a in arrays:
         if not isinstance(a, np.ndarray) or not a.size:
