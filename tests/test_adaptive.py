@@ -86,7 +86,9 @@ def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes():
     picks = [chooser.choose() for _ in range(PROBE_EVERY)]
     assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
     assert picks[-1] > 0  # after PROBE_EVERY autoregressive steps, one drafting round anyway
-    assert chooser.choose() == 0
+    chooser.observe(picks[-1], 0, 3.0)  # the probe's drafts are rejected too
+    picks = [chooser.choose() for _ in range(2 * PROBE_EVERY)]
+    assert picks[:-1] == [0] * (2 * PROBE_EVERY - 1) and picks[-1] > 0  # the interval doubled
 
 
 def test_autok_prefers_short_k_when_deep_positions_fail():
