@@ -114,9 +114,9 @@ class AutoK:
     would never learn that drafting pays again: after PROBE_EVERY autoregressive steps in a row,
     one round drafts the best k > 0 anyway. A probe after which k = 0 still wins doubles the
     interval (up to PROBE_MAX): where drafts never pay (sampling at T = 0.7 on the shipped pair),
-    a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling, tried instead, kept choosing
-    autoregressive steps from pessimistic draws: 2245 against 2812 tokens/s for k = 15 on the
-    shipped pair's held-out prompts.)
+    a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling,
+    tried instead, kept choosing autoregressive steps from pessimistic draws: 2245 against 2812
+    tokens/s for k = 15 on the shipped pair's held-out prompts.)
     """
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None):
