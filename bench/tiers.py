@@ -80,7 +80,7 @@ def worker(tier: str, threads: int, rounds: int) -> dict:
 
         def ours(w, parts, key, a=a, paths=paths):
             """linear on the layout dk.prepare_weight gives a model at this tier (packed on FMA)"""
-            w = dk.prepare_weight(w, precision={1: "medium", 3: "highest"}[parts], backend="cython")
+            w = dk.prepare_weight(w, backend="cython")
             if isinstance(w, dk.PackedWeight):
                 fn = lambda: dense.linear_packed(a["x"], w.data, None, a["out"], n_threads=threads, parts=parts)  # noqa: E731
             else:

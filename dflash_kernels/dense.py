@@ -102,18 +102,16 @@ def pack_weight(weight) -> PackedWeight:
     return PackedWeight((n, k), w.dtype, data, finite)
 
 
-def prepare_weight(weight, *, precision=None, backend="auto"):
+def prepare_weight(weight, *, backend="auto"):
     """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where the Cython
     kernels run (every compiled path, FMA, AMX or vdpbf16ps tiles, has a packed form at least as
-    fast as its row-major one), else ``weight`` unchanged (Numba and torch read the row-major layout).
-    For callers that keep a weight for many calls (a model's layers); see ``PackedWeight``.
-    ``precision`` is accepted for callers that prepare per precision; the layout does not depend on it."""
+    fast as its row-major one, whatever the precision), else ``weight`` unchanged (Numba and torch
+    read the row-major layout). For callers that keep a weight for many calls (a model's layers);
+    see ``PackedWeight``."""
     if isinstance(weight, PackedWeight):
         return weight
     w = float_array(weight, "weight", ndim=2)
-    name, mod = resolve(backend, "dense")
-    if name != "cython" or not w.size or not mod.packed_pays(w.shape[1], w.shape[0], w.dtype == np.uint16,
-                                                              precision_parts(precision)):
+    if resolve(backend, "dense")[0] != "cython" or not w.size:
         return weight
     return pack_weight(w)
 

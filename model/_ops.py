@@ -72,7 +72,7 @@ class Ops:
         memory-mapped weights) stay as they are."""
         if isinstance(w, tuple):
             return w
-        out = dk.prepare_weight(w, precision=self.precision, backend=self.kw["backend"])
+        out = dk.prepare_weight(w, backend=self.kw["backend"])
         if out is not w:
             release_pages(w)  # a memory-mapped source: its values are in the packed copy now
         return out

@@ -193,29 +193,29 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
 
 
-def _k_arg(text):
-    """-k: an int >= 0 or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"-k must be an int >= 0 or 'auto', got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"-k must be an int >= 0 or 'auto', got {text!r}")
-    return v
+def _int_at_least(name: str, low: int, also: tuple = ()):
+    """argparse type: an int >= low (or one of the words in `also`), else a one-line error naming
+    the option."""
+    what = f"an int >= {low}" + "".join(f" or {w!r}" for w in also)
 
-
-def _positive(name):
     def parse(text):
+        if text in also:
+            return text
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an int >= 1, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be an int >= 1, got {text!r}")
+            v = None
+        if v is None or v < low:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
         return v
     return parse
+
+
+def _positive(name):
+    return _int_at_least(name, 1)
+
+
+_k_arg = _int_at_least("-k", 0, also=("auto",))
 
 
 def _check_paths(args) -> None:

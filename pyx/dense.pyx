@@ -178,13 +178,6 @@ cdef int _choose_packed_path(Py_ssize_t M, bint bf16, int parts) noexcept nogil:
     return PATH_FMA_PACKED
 
 
-def packed_pays(Py_ssize_t K, Py_ssize_t N, bint bf16, int parts=3):
-    """Whether packing a weight (N, K) for linear_packed beats its row-major paths on this tier at
-    `parts` activation parts. Every path has a packed form that is at least as fast (FMA, AMX and
-    vdpbf16ps tiles), so: yes."""
-    return True
-
-
 def packed_path_name(Py_ssize_t M, bint bf16, int parts=3):
     """"<tier>:<path>" that linear_packed takes for M rows and `parts` activation parts."""
     if bf16 and parts < 3:
@@ -382,25 +375,29 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
         free(xr)
 
 
-def packed_elems(Py_ssize_t K, bint bf16):
-    """Elements (uint16 for bf16, else float32) of one 16-column panel of a packed weight with K
-    columns; a packed (N, K) weight holds ceil(N / 16) of them (layout: dk_packed.h)."""
-    return dk_pk_panel_elems(K, bf16)
-
-
-cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const float *bp, float *op,
-                            Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt):
-    """amx-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
-    cdef Py_ssize_t rows = dk_pk_amx_rows(M), nblk = rows // 16, b, g, finite = 0
-    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS, nitems = (npanels + 1) // 2
+cdef unsigned short *_split_x(const float *xp, Py_ssize_t M, Py_ssize_t K, int parts, int tiled,
+                              int nt) except? NULL:
+    """x split into its bf16 parts for the AMX / vdpbf16ps tiles (dk_pk_amx_split; tiled: as AMX A
+    tiles). NULL (no exception) when x holds inf / NaN: the caller takes the FMA tiles."""
+    cdef Py_ssize_t rows = dk_pk_amx_rows(M), nblk = rows // 16, b, finite = 0
     cdef unsigned short *xb = <unsigned short *> aligned_alloc(
         64, (parts * rows * dk_pk_kpad(K) * sizeof(unsigned short) + 63) // 64 * 64)
     if xb == NULL:
         raise MemoryError()
     for b in prange(nblk, nogil=True, num_threads=min(nt, nblk)):
-        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, 1, xb)
+        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, tiled, xb)
     if finite != nblk:
         free(xb)
+        return NULL
+    return xb
+
+
+cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const float *bp, float *op,
+                            Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt) except -1:
+    """amx-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
+    cdef Py_ssize_t g, npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS, nitems = (npanels + 1) // 2
+    cdef unsigned short *xb = _split_x(xp, M, K, parts, 1, nt)
+    if xb == NULL:
         return 0
     with nogil, parallel(num_threads=min(nt, nitems)):
         dk_amx_begin()
@@ -413,19 +410,12 @@ cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const floa
 
 
 cdef int _linear_packed_bf16dot(const float *xp, const unsigned short *P, const float *bp, float *op,
-                                Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt):
+                                Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt) except -1:
     """bf16dot-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
-    cdef Py_ssize_t rows = dk_pk_amx_rows(M), nblk = rows // 16, b, g, finite = 0
-    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
+    cdef Py_ssize_t g, npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
     cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV
-    cdef unsigned short *xb = <unsigned short *> aligned_alloc(
-        64, (parts * rows * dk_pk_kpad(K) * sizeof(unsigned short) + 63) // 64 * 64)
+    cdef unsigned short *xb = _split_x(xp, M, K, parts, 0, nt)
     if xb == NULL:
-        raise MemoryError()
-    for b in prange(nblk, nogil=True, num_threads=min(nt, nblk)):
-        finite += dk_pk_amx_split(b * 16, b * 16 + 16, M, K, xp, K, parts, 0, xb)
-    if finite != nblk:
-        free(xb)
         return 0
     for g in prange(ngroups, nogil=True, num_threads=min(nt, ngroups), schedule="static"):
         dk_pkdp_run(M, K, N, g * DK_PK_NV, min(npanels, (g + 1) * DK_PK_NV), parts, xb, P, bp, op)
@@ -436,7 +426,7 @@ cdef int _linear_packed_bf16dot(const float *xp, const unsigned short *P, const 
 def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::1] bias, float[:, ::1] out,
                   *, int n_threads, int parts=3, bint weights_finite=True):
     """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
-    panels of packed_elems(K) values, fp32 or bf16 bit patterns). N is out's width.
+    panels of dk_pk_panel_elems(K) values, fp32 or bf16 bit patterns). N is out's width.
 
     weights_finite=False (W holds inf or NaN; PackedWeight.finite) keeps to the FMA tiles: the AMX
     and vdpbf16ps tiles multiply every activation part, and a part that is 0 times an infinite
