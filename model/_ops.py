@@ -67,9 +67,8 @@ class Ops:
         self.block_head_linear = name == "cython"
 
     def prepare(self, w):
-        """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: packed on the FMA
-        tiers, a copy; unchanged where AMX or vdpbf16ps read it in place). Tuples (unfused,
-        memory-mapped weights) stay as they are."""
+        """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: a packed copy where
+        the Cython kernels run, else w). Tuples (unfused, memory-mapped weights) stay as they are."""
         if isinstance(w, tuple):
             return w
         out = dk.prepare_weight(w, backend=self.kw["backend"])

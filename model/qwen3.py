@@ -120,7 +120,7 @@ class Qwen3Model(TargetBase):
         self.prefill_chunk = prefill_chunk
         t = {k: storage(v) for k, v in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
-        # the matmul weights in linear's fastest layout here (packed on the FMA tiers: a copy, so
+        # the matmul weights in linear's fastest layout here (packed where Cython runs: a copy, so
         # only when fusing; unfused weights stay memory-mapped)
         prep = self.ops.prepare if fuse else (lambda w: w)
         self.lm_head = prep(self.embed if cfg.tie_word_embeddings else t["lm_head.weight"])  # (V, H)
