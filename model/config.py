@@ -66,16 +66,16 @@ class _Reader:
             self.fail(key, f"must be true or false, got {v!r}")
         return v
 
-    def rope_theta(self) -> float:
+    def rope_theta(self, default: float | None = None) -> float:
         params = self.data.get("rope_parameters")
         if isinstance(params, dict) and params.get("rope_theta") is not None:
             theta = params["rope_theta"]
             if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
                 self.fail("rope_parameters.rope_theta", f"must be a finite positive number, got {theta!r}")
             return float(theta)
-        if self.data.get("rope_theta") is None:
+        if self.data.get("rope_theta") is None and default is None:
             self.fail("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
-        return self.float("rope_theta")
+        return self.float("rope_theta", default)
 
     def rope_scaling(self):
         scaling = self.data.get("rope_scaling")
@@ -114,7 +114,8 @@ class _Reader:
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """Qwen3 dense target (architecture Qwen3ForCausalLM)."""
+    """Qwen3 dense target (architecture Qwen3ForCausalLM), or a Llama-family target
+    (LlamaForCausalLM: the same decoder layer without the per-head q/k norms, qk_norm False)."""
 
     vocab_size: int
     hidden_size: int
@@ -132,6 +133,8 @@ class Qwen3Config:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     path: str = ""
+    qk_norm: bool = True
+    architecture: str = "Qwen3ForCausalLM"
 
     @property
     def q_dim(self) -> int:
@@ -153,23 +156,34 @@ def _eos_ids(value, reader: _Reader, key: str) -> tuple[int, ...]:
 
 
 def load_qwen3_config(model_dir) -> Qwen3Config:
-    """Read <model_dir>/config.json of a Qwen3ForCausalLM checkpoint."""
+    """Read <model_dir>/config.json of a Qwen3ForCausalLM or LlamaForCausalLM checkpoint."""
     path = Path(model_dir) / "config.json"
-    r = _Reader(read_json(path), path)
+    return qwen3_config_from_dict(read_json(path), path)
+
+
+def qwen3_config_from_dict(data: dict, path) -> Qwen3Config:
+    """A Qwen3 / Llama config from its config.json contents (or a GGUF's translation of them);
+    errors name ``path`` and the key."""
+    r = _Reader(data, path)
     archs = r.data.get("architectures") or []
-    if "Qwen3ForCausalLM" not in archs:
-        mt = r.data.get("model_type")
-        if archs or mt != "qwen3":
-            r.fail("architectures", f"must contain 'Qwen3ForCausalLM', got {archs!r} (model_type {mt!r})")
+    mt = r.data.get("model_type")
+    llama = "LlamaForCausalLM" in archs or (not archs and mt == "llama")
+    if not llama and "Qwen3ForCausalLM" not in archs and (archs or mt != "qwen3"):
+        r.fail("architectures", f"must contain 'Qwen3ForCausalLM' or 'LlamaForCausalLM', got {archs!r} "
+                                f"(model_type {mt!r})")
     r.hidden_act()
     r.attention_bias()
+    if r.data.get("mlp_bias"):
+        r.fail("mlp_bias", "true is not supported (no bias in the MLP)")
     r.rope_scaling()
     n_layers = r.int("num_hidden_layers")
     heads = r.int("num_attention_heads")
-    kv = r.int("num_key_value_heads")
+    kv = r.int("num_key_value_heads", heads if llama else None)
     if heads % kv:
         r.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
-    head_dim = r.int("head_dim")  # never derived from hidden/heads (0.6B, 4B differ)
+    hidden = r.int("hidden_size")
+    # Qwen3 always states head_dim (0.6B, 4B differ from hidden / heads); Llama configs may omit it
+    head_dim = r.int("head_dim", hidden // heads if llama and hidden % heads == 0 else None)
     if head_dim % 2:
         r.fail("head_dim", f"must be even for RoPE, got {head_dim}")
     window = None
@@ -180,14 +194,14 @@ def load_qwen3_config(model_dir) -> Qwen3Config:
         window = r.int("sliding_window")
     return Qwen3Config(
         vocab_size=r.int("vocab_size"),
-        hidden_size=r.int("hidden_size"),
+        hidden_size=hidden,
         intermediate_size=r.int("intermediate_size"),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
         rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
-        rope_theta=r.rope_theta(),
+        rope_theta=r.rope_theta(10000.0 if llama else None),
         max_position_embeddings=r.int("max_position_embeddings", 40960),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         dtype=r.dtype(),
@@ -195,6 +209,8 @@ def load_qwen3_config(model_dir) -> Qwen3Config:
         layer_types=tuple(types),
         sliding_window=window,
         path=str(path),
+        qk_norm=not llama,
+        architecture="LlamaForCausalLM" if llama else "Qwen3ForCausalLM",
     )
 
 
@@ -228,6 +244,7 @@ class DFlashConfig:
     causal: tuple[bool, ...]  # per layer: causal inside the block
     dtype: str = "bfloat16"
     path: str = ""
+    qk_norm: bool = True  # DFlash drafters use Qwen3 layers, whatever the target
 
     @property
     def q_dim(self) -> int:

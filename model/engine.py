@@ -23,13 +23,14 @@ from dflash_kernels.acceptance import MIN_TEMPERATURE
 
 from ._ops import Ops
 from .adaptive import AutoK, RoundCost
-from .config import load_dflash_config
+from .config import load_dflash_config, qwen3_config_from_dict
 from .drafter import DFlashDrafter
+from .gguf import is_gguf, read_gguf
 from .metrics import Metrics, aggregate
 from .qwen3 import Qwen3Model
 from .qwen35 import Qwen35Model
 from .qwen35_config import Qwen35Config, load_target_config
-from .tokenizer import Tokenizer, render_chat, stop_token_ids
+from .tokenizer import Tokenizer, chat_template_of, render_chat, stop_token_ids
 from .weights import read_checkpoint
 
 _EMPTY_DRAFTS = np.zeros((1, 0), np.int64)
@@ -59,6 +60,7 @@ class Engine:
         self.max_len, self.kv_dtype = max_len, kv_dtype
         self.history: list[Metrics] = []  # every call's metrics, for aggregate_metrics()
         self.target_dir = self.drafter_dir = None  # set by load()
+        self.chat_template = None  # the target's Jinja chat template (None: ChatML), set by load()
         self._cache = None
         self._ctx = None
         # num_speculative_tokens="auto": the round cost on this machine, kept across calls
@@ -79,8 +81,9 @@ class Engine:
         return self.drafter.cfg.block_size - 1 if self.drafter else 0
 
     def chat_prompt(self, messages, enable_thinking: bool = False) -> str:
-        """ChatML prompt text; thinking disabled by default (Qwen3 drafters were trained without it)."""
-        return render_chat(messages, enable_thinking=enable_thinking)
+        """Prompt text through the target's own chat template (ChatML when it has none); thinking
+        disabled by default (Qwen3 drafters were trained without it)."""
+        return render_chat(messages, enable_thinking=enable_thinking, template=self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -363,10 +366,11 @@ class _Run:
 
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
-         fuse_weights="auto", precision: str | None = None) -> Engine:
-    """Load a Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter, from HF
-    checkpoint directories.
+         fuse_weights="auto", precision: str | None = None, gguf_dtype: str = "bfloat16") -> Engine:
+    """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
+    target_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), or a
+    GGUF file (Llama / Qwen3), or a directory holding one .gguf and no config.json.
     max_len: KV cache positions (prompt + generated), default min(max_position_embeddings, 8192).
     kv_dtype: "float32" or "bfloat16" target KV cache storage. n_threads / backend: passed to every
     kernel. prefill_chunk: prompt rows per target forward. fuse_weights: True stacks each layer's
@@ -375,6 +379,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     precision: matmul precision of every linear layer and LM-head pass, "highest" (default), "high"
     or "medium" (dflash_kernels.set_matmul_precision). Target steps, verification rows and drafts
     all use it, so greedy DFlash output stays identical to greedy autoregressive output under each.
+    gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
+    "float32" (exact; parity with a float32 reference).
     Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
     """
     target_dir = Path(target_dir)
@@ -382,7 +388,15 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {kv_dtype!r}")
     if fuse_weights not in (True, False, "auto"):
         raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
-    tcfg = load_target_config(target_dir)  # Qwen3 or Qwen3.5 (hybrid) by architecture / model_type
+    if is_gguf(target_dir):
+        ck = read_gguf(target_dir, gguf_dtype)
+        tcfg = qwen3_config_from_dict(ck.config, f"{ck.path} (metadata)")
+        tensors, origin = ck.tensors, ck.origin
+        tokenizer = Tokenizer(ck.path, ck.tokenizer)
+        stops, template = tuple(dict.fromkeys(ck.eos_token_ids + tcfg.eos_token_ids)), ck.chat_template
+    else:
+        tcfg = load_target_config(target_dir)  # Qwen3, Llama or Qwen3.5 (hybrid) by architecture
+        tensors = origin = None
     if max_len is None:
         max_len = min(tcfg.max_position_embeddings, 8192)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
@@ -396,7 +410,12 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         dcfg = load_dflash_config(drafter_dir, num_target_layers=tcfg.num_hidden_layers)
         _check_pair(tcfg, dcfg, drafter_dir)
     ops = Ops(n_threads=n_threads, backend=backend, precision=precision)
-    tensors, origin = read_checkpoint(target_dir)
+    if tensors is None:
+        tensors, origin = read_checkpoint(target_dir)
+        has_tok = (target_dir / "tokenizer.json").exists()
+        tokenizer = Tokenizer(target_dir / "tokenizer.json") if has_tok else None
+        stops = stop_token_ids(target_dir, tcfg.eos_token_ids, tokenizer)
+        template = chat_template_of(target_dir)
     fuse = fuse_weights
     if fuse == "auto":
         # Fusing saves 3 of 5 GEMV calls per layer (Qwen3-1.7B shape, 2 threads: AR step 132 vs
@@ -410,10 +429,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         dtensors, dorigin = read_checkpoint(drafter_dir)
         drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=ops,
                                 target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
-    tokenizer = Tokenizer(target_dir / "tokenizer.json") if (target_dir / "tokenizer.json").exists() else None
-    stops = stop_token_ids(target_dir, tcfg.eos_token_ids, tokenizer)
     engine = Engine(target, drafter, tokenizer, stops, ops=ops, max_len=max_len, kv_dtype=kv_dtype)
-    engine.target_dir, engine.drafter_dir = target_dir, drafter_dir
+    engine.target_dir, engine.drafter_dir, engine.chat_template = target_dir, drafter_dir, template
     return engine
 
 

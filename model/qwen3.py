@@ -22,9 +22,10 @@ from .weights import as_f32, check_tensors, concat_rows, storage
 
 
 def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
-    """The 11 tensors of one Qwen3-style decoder layer (targets and DFlash drafters alike)."""
+    """The 11 tensors of one Qwen3-style decoder layer (targets and DFlash drafters alike); 9 for a
+    Llama layer (no q_norm / k_norm)."""
     H, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    return {
+    shapes = {
         prefix + "input_layernorm.weight": (H,),
         prefix + "post_attention_layernorm.weight": (H,),
         prefix + "self_attn.q_proj.weight": (cfg.q_dim, H),
@@ -37,10 +38,14 @@ def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
         prefix + "mlp.up_proj.weight": (inter, H),
         prefix + "mlp.down_proj.weight": (H, inter),
     }
+    if not cfg.qk_norm:
+        del shapes[prefix + "self_attn.q_norm.weight"], shapes[prefix + "self_attn.k_norm.weight"]
+    return shapes
 
 
 def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
-    """Every tensor a Qwen3ForCausalLM checkpoint must hold, with its shape (docs/models.md 1.3)."""
+    """Every tensor a Qwen3ForCausalLM (or LlamaForCausalLM) checkpoint must hold, with its shape
+    (docs/models.md 1.3)."""
     H = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     for i in range(cfg.num_hidden_layers):
@@ -52,12 +57,17 @@ def qwen3_tensor_shapes(cfg: Qwen3Config) -> dict[str, tuple]:
 
 def project_qkv(ops, layer, h, pos, cfg, eps):
     """Qwen3 attention inputs for rows h (T, H): q (T, H_q, D), k (T, H_kv, D) after the per-head
-    q_norm / k_norm and RoPE at ``pos``, raw v (T, H_kv, D). Shared by targets and drafters."""
+    q_norm / k_norm (none in a Llama layer) and RoPE at ``pos``, raw v (T, H_kv, D). Shared by targets
+    and drafters."""
     T, Hq, Hkv, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qd, kvd = cfg.q_dim, cfg.kv_dim
     qkv = ops.linear(h, layer.w_qkv)  # (T, qd + 2 kvd)
-    q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), layer.q_norm, eps).reshape(T, Hq, D)
-    k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), layer.k_norm, eps).reshape(T, Hkv, D)
+    if layer.q_norm is None:  # Llama; rope rotates in place, so q and k must be their own arrays
+        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, Hq, D)
+        k = np.ascontiguousarray(qkv[:, qd : qd + kvd]).reshape(T, Hkv, D)
+    else:
+        q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), layer.q_norm, eps).reshape(T, Hq, D)
+        k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), layer.k_norm, eps).reshape(T, Hkv, D)
     v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
     return ops.rope(q, pos, cfg.rope_theta), ops.rope(k, pos, cfg.rope_theta), v
 
@@ -66,8 +76,8 @@ def project_qkv(ops, layer, h, pos, cfg, eps):
 class _Layer:
     w_in: np.ndarray  # (H,) f32
     w_qkv: np.ndarray | tuple  # (q_dim + 2 kv_dim, H) [Wq; Wk; Wv] (tuple of the three: unfused)
-    q_norm: np.ndarray  # (D,) f32
-    k_norm: np.ndarray  # (D,) f32
+    q_norm: np.ndarray | None  # (D,) f32 (None: a Llama layer)
+    k_norm: np.ndarray | None  # (D,) f32
     w_o: np.ndarray  # (H, q_dim)
     w_post: np.ndarray  # (H,) f32
     w_gate_up: np.ndarray | tuple  # (2I, H) [Wgate; Wup]: silu_and_mul reads [gate | up]
@@ -106,7 +116,7 @@ class KVCache:
 
 
 class Qwen3Model(TargetBase):
-    """Qwen3ForCausalLM forward on the dk kernels."""
+    """Qwen3ForCausalLM (or LlamaForCausalLM) forward on the dk kernels."""
 
     def __init__(self, cfg: Qwen3Config, tensors: dict, origin: dict | None = None, *, ops: Ops | None = None,
                  tap_layer_ids=(), prefill_chunk: int = 512, fuse: bool = True, where: str = "target"):
@@ -134,8 +144,8 @@ class Qwen3Model(TargetBase):
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
                 w_qkv=prep(concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
                                        fuse=fuse)),
-                q_norm=as_f32(t[a + "q_norm.weight"]),
-                k_norm=as_f32(t[a + "k_norm.weight"]),
+                q_norm=as_f32(t[a + "q_norm.weight"]) if cfg.qk_norm else None,
+                k_norm=as_f32(t[a + "k_norm.weight"]) if cfg.qk_norm else None,
                 w_o=prep(t[a + "o_proj.weight"]),
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
                 w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 from .config import load_generation_config
@@ -14,10 +16,15 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """Byte-level BPE tokenizer of a Qwen checkpoint (docs/models.md 3.4). No BOS is ever added."""
 
-    def __init__(self, path):
+    def __init__(self, path, tokenizer=None):
+        """path: a tokenizer.json; or tokenizer: a ready ``tokenizers.Tokenizer`` (a GGUF's), with
+        path naming where it came from."""
         from tokenizers import Tokenizer as _HFTokenizer
 
         self.path = Path(path)
+        if tokenizer is not None:
+            self._tok = tokenizer
+            return
         try:
             self._tok = _HFTokenizer.from_file(str(self.path))
         except Exception as err:  # missing file, bad JSON, unknown model type: all reported alike
@@ -71,26 +78,65 @@ class StreamDecoder:
         return new
 
 
-def render_chat(messages, *, add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
-    """ChatML prompt (docs/models.md 3.5) for plain system/user/assistant messages.
+def render_chat(messages, *, add_generation_prompt: bool = True, enable_thinking: bool = True,
+                template: str | None = None, **variables) -> str:
+    """The prompt text of a conversation.
 
-    messages: a str (one user turn) or a list of {"role", "content"} dicts. With
-    enable_thinking=False the generation prompt gets an empty think block, as the official Qwen3
+    messages: a str (one user turn) or a list of {"role", "content"} dicts. template: the model's own
+    Jinja chat template (tokenizer_config.json's ``chat_template``, or a GGUF's
+    ``tokenizer.chat_template``), rendered in a sandbox as transformers renders it; ``variables``
+    (bos_token, ...) are passed to it. Without a template: ChatML (docs/models.md 3.5), where
+    enable_thinking=False gives the generation prompt an empty think block, as the official Qwen3
     template writes it (DFlash Qwen3 drafters were trained that way).
     """
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    parts = []
     for m in messages:
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
             raise ValueError(f"messages: each entry needs role system/user/assistant and str content, got {m!r}")
-        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if template is not None:
+        return _jinja(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       enable_thinking=enable_thinking, **variables)
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
         if not enable_thinking:
             parts.append("<think>\n\n</think>\n\n")
     return "".join(parts)
+
+
+@functools.lru_cache(maxsize=8)
+def _jinja(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template)
+    except TemplateError as err:
+        raise TokenizerError(f"chat template does not parse: {err}") from None
+
+
+def chat_template_of(model_dir) -> str | None:
+    """tokenizer_config.json's chat_template (a string, or the "default" of a named list), if any."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.exists():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise TokenizerError(f"{path}: not a JSON object ({err})") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{path}: chat_template must be a string, got {type(template).__name__}")
+    return template
 
 
 def stop_token_ids(model_dir, config_eos=(), tokenizer: Tokenizer | None = None) -> tuple[int, ...]:

@@ -13,6 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def has_qk_norm(cfg: dict) -> bool:
+    """Qwen3 layers (targets and drafters) normalise q and k per head; Llama layers do not."""
+    return cfg.get("model_type", "qwen3") != "llama"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -44,8 +49,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
-        self.q_norm = RMSNorm(hd, cfg["rms_norm_eps"])
-        self.k_norm = RMSNorm(hd, cfg["rms_norm_eps"])
+        # Llama has no per-head q/k norm; Qwen3 targets and every DFlash drafter do
+        norm = has_qk_norm(cfg)
+        self.q_norm = RMSNorm(hd, cfg["rms_norm_eps"]) if norm else nn.Identity()
+        self.k_norm = RMSNorm(hd, cfg["rms_norm_eps"]) if norm else nn.Identity()
 
     def project_kv(self, x, positions, theta):
         b, t, _ = x.shape
@@ -96,7 +103,8 @@ class _Body(nn.Module):
 
 
 class Qwen3LM(nn.Module):
-    """Qwen3ForCausalLM with public names: model.embed_tokens, model.layers.{i}.*, model.norm, lm_head."""
+    """Qwen3ForCausalLM (or LlamaForCausalLM: no q/k norm) with public names: model.embed_tokens,
+    model.layers.{i}.*, model.norm, lm_head."""
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -109,13 +117,22 @@ class Qwen3LM(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, ids, cache=None, taps=()):
-        """ids (B, T). cache: list of per-layer (k, v) to extend (None = no cache). Returns
-        (logits (B, T, V), [residual after layer i for i in taps], new cache)."""
+    def forward(self, ids, cache=None, taps=(), pad=None):
+        """ids (B, T). cache: list of per-layer (k, v) to extend (None = no cache). pad (B,): left-padding
+        per row (batched prompts of different lengths): row b's first pad[b] columns are never attended
+        to and its positions count from its first real token. Returns (logits (B, T, V), [residual after
+        layer i for i in taps], new cache)."""
         b, t = ids.shape
         past = 0 if not cache else cache[0][0].shape[1]
         pos = torch.arange(past, past + t)
-        causal = torch.ones(t, past + t, dtype=torch.bool).tril(past)[None, None]
+        mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)[None, None]
+        if pad is not None:
+            pos = (pos[None] - pad[:, None]).clamp(min=0)  # (B, T)
+            keys = torch.arange(past + t)
+            real = keys[None, :] >= pad[:, None]  # (B, S)
+            # a padding row attends to itself only, so its values stay finite (0 * NaN would leak)
+            own = keys[None, :] == torch.arange(past, past + t)[:, None]  # (T, S)
+            mask = mask & (real[:, None, None, :] | own[None, None])
         x, theta, tapped, new_cache = self.model.embed_tokens(ids), self.cfg["rope_theta"], {}, []
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
@@ -123,7 +140,7 @@ class Qwen3LM(nn.Module):
             if cache:
                 k, v = torch.cat([cache[i][0], k], 1), torch.cat([cache[i][1], v], 1)
             new_cache.append((k, v))
-            x = layer.mlp_block(x + layer.self_attn.attend(h, pos, theta, k, v, causal))
+            x = layer.mlp_block(x + layer.self_attn.attend(h, pos, theta, k, v, mask))
             if i in taps:  # HF hidden_states[i + 1]; the last entry there is final-normed
                 tapped[i] = self.model.norm(x) if i == len(self.model.layers) - 1 else x
         return self.lm_head(self.model.norm(x)), [tapped[i] for i in taps], new_cache

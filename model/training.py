@@ -207,38 +207,93 @@ def train_target(out_dir, tokenizer_json, *, steps=6000, batch=16, seq=256, lr=2
     return final
 
 
-def load_torch_target(target_dir) -> Qwen3LM:
-    """The trained target as a trainable-layout torch module (fp32), for drafter data and training."""
+def load_torch_target(target) -> Qwen3LM:
+    """A target as a trainable-layout torch module (fp32), for drafter data and training: a checkpoint
+    directory (Qwen3 or Llama, safetensors) or a GGUF file (dequantized to fp32)."""
     from safetensors.torch import load_file
 
-    target_dir = Path(target_dir)
-    cfg = json.loads((target_dir / "config.json").read_text())
+    from .gguf import is_gguf, read_gguf
+
+    if is_gguf(target):
+        ck = read_gguf(target, "float32", with_tokenizer=False)
+        cfg, state = ck.config, {k: torch.from_numpy(np.array(v, np.float32)) for k, v in ck.tensors.items()}
+    else:
+        target = Path(target)
+        cfg = json.loads((target / "config.json").read_text())
+        state = {k: v.float() for k, v in load_file(str(target / "model.safetensors")).items()}
     model = Qwen3LM(cfg)
-    state = {k: v.float() for k, v in load_file(str(target_dir / "model.safetensors")).items()}
     if cfg.get("tie_word_embeddings"):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state)
     return model.eval()
 
 
+def _target_tokenizer(target):
+    """(tokenizers.Tokenizer, chat template or None) of a checkpoint directory or GGUF file."""
+    from tokenizers import Tokenizer
+
+    from .gguf import is_gguf, read_gguf
+    from .tokenizer import chat_template_of
+
+    if is_gguf(target):
+        ck = read_gguf(target, "float32")
+        return ck.tokenizer, ck.chat_template
+    return Tokenizer.from_file(str(Path(target) / "tokenizer.json")), chat_template_of(target)
+
+
+def fast_bf16() -> bool:
+    """torch's bf16 matmuls are fast here (AVX512-BF16 / AMX oneDNN); on AVX2 they are ~100x slower."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # ------------------------------------------------------------------------------------------ drafter
 @torch.no_grad()
-def generate_drafter_data(target: Qwen3LM, prompts: list[torch.Tensor], new_tokens: int, batch: int = 32,
-                          quiet: bool = False) -> list[torch.Tensor]:
-    """The target's own greedy continuations (what the drafter must predict), batched with a KV cache."""
-    out = []
-    for i in tqdm(range(0, len(prompts), batch), desc="drafter data", disable=quiet):
-        group = prompts[i: i + batch]
-        x = torch.stack(group)  # equal-length prompts
-        logits, _, cache = target(x)
-        seqs = [x]
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new_tokens):
-            seqs.append(nxt)
-            logits, _, cache = target(nxt, cache=cache)
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-        out.extend(torch.cat(seqs, 1))
-    return out
+def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps: list[int], batch: int = 32,
+                          stop_ids=(), bf16: bool = False, quiet: bool = False) -> dict:
+    """The target's own greedy continuations of ``prompts`` (lists of token ids, any lengths) and its
+    tap features at every position, captured while generating (training never runs the target again).
+
+    Returns {"tokens" (N, L) int64, "length" (N,) valid tokens per row (up to and including the first
+    stop id), "prompt_len" (N,), "feats" (N, L, len(taps) * H) bfloat16}; rows are left-aligned,
+    zero past their length. bf16: run the target under bf16 autocast (fast where fast_bf16()).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    longest = max(len(p) for p in prompts)
+    H = target.cfg["hidden_size"]
+    n = len(prompts)
+    tokens = torch.zeros(n, longest + new_tokens, dtype=torch.int64)
+    feats = torch.zeros(n, longest + new_tokens, len(taps) * H, dtype=torch.bfloat16)
+    length, prompt_len = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    stops = torch.tensor(sorted(set(stop_ids)) or [-1])
+    for i in tqdm(range(0, n, batch), desc="drafter data", disable=quiet):
+        rows = order[i: i + batch]
+        P = max(len(prompts[r]) for r in rows)
+        pad = torch.tensor([P - len(prompts[r]) for r in rows])
+        x = torch.zeros(len(rows), P, dtype=torch.int64)
+        for j, r in enumerate(rows):
+            x[j, pad[j]:] = torch.as_tensor(prompts[r])
+        seqs, tapped_all = [x], []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits, tapped, cache = target(x, taps=taps, pad=pad)
+            tapped_all.append(torch.cat(tapped, -1))
+            for _ in range(new_tokens):
+                nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+                seqs.append(nxt)
+                logits, tapped, cache = target(nxt, cache=cache, taps=taps, pad=pad)
+                tapped_all.append(torch.cat(tapped, -1))
+        seq, ft = torch.cat(seqs, 1), torch.cat(tapped_all, 1).to(torch.bfloat16)
+        for j, r in enumerate(rows):
+            p = int(pad[j])
+            gen = seq[j, P:]
+            hit = torch.isin(gen, stops).nonzero()
+            valid = P - p + (int(hit[0]) + 1 if len(hit) else new_tokens)
+            tokens[r, :valid] = seq[j, p: p + valid]
+            feats[r, :valid] = ft[j, p: p + valid]
+            length[r], prompt_len[r] = valid, P - p
+    return {"tokens": tokens, "length": length, "prompt_len": prompt_len, "feats": feats}
 
 
 def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
@@ -256,18 +311,53 @@ def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
         raise ValueError(f"{src / 'model.safetensors'}: does not match the drafter: {err}") from None
 
 
+def _drafter_prompts(target, tok, template, source: str, n: int, prompt_len: int, eos_id: int, seed: int):
+    """Prompt token ids for drafter data: "stdlib" (random corpus windows of prompt_len tokens) or
+    "chat" (model/prompts.py user messages through the target's chat template)."""
+    if source == "stdlib":
+        enc = tok.encode_batch(read_text(stdlib_files("train")), add_special_tokens=False)
+        corpus = [t for e in enc for t in (*e.ids, eos_id)]
+        rnd = random.Random(seed)
+        return [corpus[s: s + prompt_len] for s in (rnd.randrange(len(corpus) - prompt_len) for _ in range(n))]
+    if source == "chat":
+        from .prompts import chat_prompts
+        from .tokenizer import render_chat
+
+        texts = [render_chat(m, template=template) for m in chat_prompts("train", n, seed)]
+        return [e.ids[-4 * prompt_len:] for e in tok.encode_batch(texts, add_special_tokens=False)]
+    raise ValueError(f"prompts must be 'stdlib' or 'chat', got {source!r}")
+
+
+def mask_token_id(cfg: dict, tok) -> int:
+    """The block's mask token: an unused padded embedding row when the embedding has one, else the
+    highest-id special token that is not bos / eos / pad (SmolLM2: <empty_output>, id 16)."""
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    if cfg["vocab_size"] > n_tok:
+        return cfg["vocab_size"] - 1
+    reserved = {cfg.get("bos_token_id"), cfg.get("eos_token_id"), cfg.get("pad_token_id"), 0}
+    special = [i for i, t in tok.get_added_tokens_decoder().items() if t.special and i not in reserved]
+    if not special:
+        raise ValueError("no unused embedding row or special token to serve as the mask token")
+    return max(special)
+
+
 def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, batch=8, anchors=16,
                   prompt_len=64, new_tokens=192, n_sequences=2048, lr=6e-4, seed=0, resume=True,
-                  threads=None, quiet=False, init_from=None, taps=None) -> dict:
+                  threads=None, quiet=False, init_from=None, taps=None, prompts="stdlib", bf16=None) -> dict:
     """DFlash drafter on the target's greedy continuations: random anchors, block mask, decayed loss.
 
-    init_from: a drafter checkpoint directory to start from (fine-tuning); ignored when resuming.
-    taps: target layer ids to read (default: the default rule, docs/dflash.md 6).
+    target_dir: a checkpoint directory or a GGUF file. prompts: "stdlib" (corpus windows of
+    prompt_len tokens, the shipped stdlib pair) or "chat" (generated user messages through the
+    target's chat template; continuations stop at the target's eos). init_from: a drafter checkpoint
+    directory to start from (fine-tuning); ignored when resuming. taps: target layer ids to read
+    (default: the default rule, docs/dflash.md 6). bf16: data generation and training under bf16
+    autocast (default: where torch's bf16 matmuls are fast, fast_bf16()).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if threads:
         torch.set_num_threads(threads)
+    bf16 = fast_bf16() if bf16 is None else bool(bf16)
     target = load_torch_target(target_dir)
     for p in target.parameters():
         p.requires_grad_(False)
@@ -278,7 +368,8 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     taps = [int(i) for i in taps]
     if not taps or any(not 0 <= i < n_layers_t for i in taps):
         raise ValueError(f"taps must be target layer ids in [0, {n_layers_t}), got {taps}")
-    mask_id = tcfg["vocab_size"] - 1  # an unused padded row of the embedding
+    tok, template = _target_tokenizer(target_dir)
+    mask_id = mask_token_id(tcfg, tok)
     dcfg = {k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                   "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")}
     dcfg["num_hidden_layers"] = layers
@@ -286,15 +377,19 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     drafter = DFlashDrafter(dcfg, n_taps=len(taps))
     data_path = out / "drafter_data.pt"
     if data_path.exists():
-        seqs = torch.load(data_path)
+        data = torch.load(data_path)
+        if data.get("taps") != taps:
+            raise ValueError(f"{data_path}: features of target layers {data.get('taps')}, not {taps}; "
+                             "delete it to regenerate")
     else:
-        ids = encode_corpus(Path(target_dir) / "tokenizer.json", "train", tcfg["bos_token_id"])
-        corpus = torch.from_numpy(ids.astype(np.int64))
-        rnd = random.Random(seed)
-        starts = (rnd.randrange(len(corpus) - prompt_len) for _ in range(n_sequences))
-        prompts = [corpus[s: s + prompt_len] for s in starts]
-        seqs = torch.stack(generate_drafter_data(target, prompts, new_tokens, quiet=quiet))
-        torch.save(seqs, data_path)
+        eos = tcfg.get("eos_token_id")
+        eos = eos if isinstance(eos, int) else tcfg.get("bos_token_id", 0)
+        ids = _drafter_prompts(target, tok, template, prompts, n_sequences, prompt_len, eos, seed)
+        stops = (eos,) if prompts == "chat" else ()
+        data = generate_drafter_data(target, ids, new_tokens, taps, batch=64, stop_ids=stops, bf16=bf16,
+                                     quiet=quiet)
+        data["taps"] = taps
+        torch.save(data, data_path)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
     step = _resume(state_path, log_path, drafter, opt) if resume else 0
@@ -302,33 +397,38 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         _init_drafter(drafter, Path(init_from), taps)
     weights = block_loss_weights(block_size)
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
-    n_eval = max(1, len(seqs) // 16)
-    train_seqs, eval_seqs = seqs[n_eval:], seqs[:n_eval]
+    n_all = data["tokens"].shape[0]
+    n_eval = max(1, n_all // 16)
     gen = torch.Generator().manual_seed(seed + step)
-    length = seqs.shape[1]
+    offs = torch.arange(block_size)
 
-    def batch_loss(rows: torch.Tensor):
-        with torch.no_grad():
-            _, tapped, _ = target(rows, taps=taps)
-        feats = torch.cat(tapped, -1)  # (B, L, n*H)
-        # anchors inside the continuation so the block predicts the target's own output
-        lo, hi = prompt_len - 1, length - block_size
-        anc = torch.stack([torch.randperm(hi - lo, generator=gen)[:anchors] + lo for _ in range(rows.shape[0])])
-        offs = torch.arange(block_size)
-        pos = (anc[..., None] + offs).flatten(1)  # (B, N*Bk)
+    def batch_loss(idx: torch.Tensor):
+        rows, length, plen = data["tokens"][idx], data["length"][idx], data["prompt_len"][idx]
+        feats = data["feats"][idx].float()  # (B, L, n*H)
+        B, L = rows.shape
+        # anchors inside the continuation so the block predicts the target's own output; a block may
+        # run past the row's end, where its labels are masked
+        lo = (plen - 1).clamp(min=0)
+        span = (length - 1 - lo).clamp(min=1)
+        anc = lo[:, None] + (torch.rand(B, anchors, generator=gen) * span[:, None]).long()  # (B, N)
+        pos = (anc[..., None] + offs).clamp(max=L - 1).flatten(1)  # (B, N*Bk)
         ids = torch.full_like(pos, mask_id)
-        ids.view(rows.shape[0], anchors, block_size)[..., 0] = torch.gather(rows, 1, anc)
-        hidden = drafter(F.embedding(ids, embed), pos, feats, anc)
-        labels = torch.gather(rows, 1, pos).view(rows.shape[0], anchors, block_size)[..., 1:]
-        logits = F.linear(hidden.view(rows.shape[0], anchors, block_size, -1)[:, :, 1:], lm_head)
+        ids.view(B, anchors, block_size)[..., 0] = torch.gather(rows, 1, anc)
+        valid = ((anc[..., None] + offs) < length[:, None, None])[..., 1:].float()  # (B, N, Bk-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            hidden = drafter(F.embedding(ids, embed), pos, feats, anc)
+            logits = F.linear(hidden.view(B, anchors, block_size, -1)[:, :, 1:], lm_head)
+        logits = logits.float()
+        labels = torch.gather(rows, 1, pos).view(B, anchors, block_size)[..., 1:]
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-        acc = (logits.argmax(-1) == labels).float()
-        return (ce * weights).sum() / (weights.sum() * ce.shape[0] * ce.shape[1]), acc
+        acc = (logits.argmax(-1) == labels).float() * valid
+        w = weights * valid
+        return (ce * w).sum() / w.sum().clamp(min=1e-6), acc
 
     def eval_metrics():
         drafter.eval()
         with torch.no_grad():
-            loss, acc = batch_loss(eval_seqs[:64])
+            loss, acc = batch_loss(torch.arange(min(64, n_eval)))
         drafter.train()
         # tau = tokens per round. Decoding visits an anchor once per round, so fast (long-accept)
         # stretches get few rounds: the estimate is the harmonic mean of (accepted prefix + 1) over
@@ -342,8 +442,8 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 10 + 1))
-        idx = torch.randint(0, len(train_seqs), (batch,), generator=gen)
-        loss, _ = batch_loss(train_seqs[idx])
+        idx = torch.randint(n_eval, n_all, (batch,), generator=gen)
+        loss, _ = batch_loss(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -355,6 +455,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         if step % 250 == 0 or step == steps:
             row["eval_loss"], row["eval_tau_estimate"] = (round(v, 4) for v in eval_metrics())
             _save_state(state_path, drafter, opt, step)
+            save_drafter(drafter, out, tcfg, taps, mask_id, block_size)  # usable while training goes on
         _log(log_path, **row)
     bar.close()
     loss, tau = eval_metrics()

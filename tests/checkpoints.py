@@ -146,6 +146,35 @@ def write_qwen3(d, *, shards=1, dtype="bf16", seed=0, hot_tokens=0, hot_scale=3.
     return d
 
 
+def llama_config(*, hidden=64, heads=4, kv=2, head_dim=None, tie=True, rope_theta=5e5, **kw) -> dict:
+    """A LlamaForCausalLM config (transformers spelling); head_dim omitted = hidden / heads."""
+    cfg = qwen3_config(hidden=hidden, heads=heads, kv=kv, head_dim=head_dim or hidden // heads, tie=tie,
+                       rope_theta=rope_theta, **kw)
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=False, pretraining_tp=1)
+    for key in ("max_window_layers", "sliding_window", "use_sliding_window"):
+        cfg.pop(key)
+    if head_dim is None:
+        cfg.pop("head_dim")
+    return cfg
+
+
+def llama_tensors(cfg: dict, seed: int = 0, **kw) -> dict[str, np.ndarray]:
+    cfg = dict(cfg, head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
+    norms = ("q_norm.weight", "k_norm.weight")
+    return {k: v for k, v in qwen3_tensors(cfg, seed, **kw).items() if not k.endswith(norms)}
+
+
+def write_llama(d, *, dtype="bf16", seed=0, hot_tokens=0, **cfg_kw) -> Path:
+    """Write a tiny LlamaForCausalLM checkpoint into directory d; return d."""
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(**cfg_kw)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "tokenizer.json").write_text(tokenizer_json())
+    _write_tensors(d, _store(llama_tensors(cfg, seed, hot_tokens=hot_tokens), dtype), 1)
+    return d
+
+
 def dflash_config(target_cfg: dict, *, layers=2, block_size=16, target_layer_ids=(0, 2), mask_token_id=None,
                   sliding=False, window=6, rope_theta=1e7, heads=4, kv=2, head_dim=20, inter=80,
                   top_level_block=False, is_causal=None) -> dict:

@@ -49,7 +49,7 @@ def test_config_v4_and_v5_spellings(ckpt_dir):
     ("head_dim", None, "'head_dim' is missing"),
     ("num_key_value_heads", 3, "must divide"),
     ("hidden_size", "64", "'hidden_size' must be an integer"),
-    ("architectures", ["LlamaForCausalLM"], "Qwen3ForCausalLM"),
+    ("architectures", ["MistralForCausalLM"], "Qwen3ForCausalLM.*LlamaForCausalLM"),
     ("rope_theta", None, "rope_theta"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "not supported"),
     ("hidden_act", "gelu", "silu"),
