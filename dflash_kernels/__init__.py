@@ -27,7 +27,16 @@ from ._precision import get_matmul_precision, set_matmul_precision
 from .acceptance import accept_greedy, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .denoise import denoise_block, make_draft_block
-from .dense import PackedWeight, apply_rope, linear, pack_weight, prepare_weight, rms_norm, silu_and_mul
+from .dense import (
+    PackedWeight,
+    apply_rope,
+    linear,
+    pack_weight,
+    prepare_weight,
+    rms_norm,
+    rope_inv_freq,
+    silu_and_mul,
+)
 from .linear_attention import (
     apply_output_gate,
     causal_conv1d,
@@ -52,6 +61,7 @@ __all__ = [
     "gated_rms_norm",
     "split_query_gate",
     "apply_rope",
+    "rope_inv_freq",
     "available_backends",
     "cached_attention",
     "denoise_block",

@@ -216,7 +216,36 @@ def rms_norm(x, w, eps=1e-6, *, offset=0.0, residual=None, n_threads=None, backe
     return wrap(out.reshape(xa.shape), torch_out), wrap(new_res.reshape(xa.shape), torch_out)
 
 
-def apply_rope(x, positions, theta, rotary_dim=None, *, out=None, n_threads=None, backend="auto"):
+def rope_inv_freq(theta: float, rotary_dim: int, scaling: dict | None = None) -> np.ndarray:
+    """RoPE frequencies (rotary_dim / 2,) float64 of a Hugging Face config: ``theta ** (-2j / rotary_dim)``,
+    rescaled by ``rope_scaling`` (a config's dict): "linear" divides every frequency by ``factor``;
+    "llama3" divides the low frequencies (wavelength above original_max_position_embeddings /
+    low_freq_factor) by ``factor``, keeps the high ones (below .../ high_freq_factor) and blends
+    linearly in between (Llama 3.1's rule). None or "default": no scaling."""
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)) or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be an even int >= 2, got {rotary_dim!r}")
+    freq = float(theta) ** (-2.0 * np.arange(rotary_dim // 2) / rotary_dim)
+    kind = None if not scaling else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return freq
+    factor = float(scaling.get("factor", 1.0))
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"rope_scaling factor must be a finite number >= 1, got {scaling.get('factor')!r}")
+    if kind == "linear":
+        return freq / factor
+    if kind == "llama3":
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        if not (0 < low < high and old > 0):
+            raise ValueError(f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {scaling!r}")
+        wavelen = 2 * math.pi / freq
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * freq / factor + smooth * freq
+        return np.where(wavelen > old / low, freq / factor, np.where(wavelen < old / high, freq, blended))
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def apply_rope(x, positions, theta, rotary_dim=None, *, inv_freq=None, out=None, n_threads=None, backend="auto"):
     """Rotary position embedding, NeoX rotate-half style, over the first ``rotary_dim`` dims.
 
     x: (T, H, D) float32 (bf16 accepted, upcast). positions: (T,) non-negative integers.
@@ -224,6 +253,8 @@ def apply_rope(x, positions, theta, rotary_dim=None, *, out=None, n_threads=None
     ``pos * inv_freq`` are formed in float64 (exact enough for positions ~2.6e5, theta 1e7).
     rotary_dim: even, 2 <= rotary_dim <= D (default D); dims past it are copied unchanged
     (Qwen3.5 partial rotary: rotary_dim = D / 4).
+    inv_freq: optional (rotary_dim / 2,) finite positive frequencies used instead of theta's (scaled
+    RoPE: Llama 3's "llama3" or "linear" rope_scaling; see ``rope_inv_freq``).
     out: optional float32 C-contiguous (T, H, D) array / tensor to write into; ``out=x`` rotates x in
     place (the model layer uses that for q and k). Partially overlapping buffers are not supported.
     Returns (T, H, D) float32: ``out`` when given, else a new array.
@@ -242,6 +273,12 @@ def apply_rope(x, positions, theta, rotary_dim=None, *, out=None, n_threads=None
         raise TypeError(f"rotary_dim must be an int, got {rotary_dim!r}")
     if rd < 2 or rd % 2 or rd > d:
         raise ValueError(f"rotary_dim must be even with 2 <= rotary_dim <= D={d}, got {rd}")
+    freq = None
+    if inv_freq is not None:
+        freq = np.ascontiguousarray(inv_freq.detach().numpy() if is_torch(inv_freq) else inv_freq, np.float64)
+        if freq.shape != (rd // 2,) or not np.all(np.isfinite(freq)) or not np.all(freq > 0):
+            raise ValueError(f"inv_freq must hold rotary_dim / 2 = {rd // 2} finite positive numbers, "
+                             f"got shape {freq.shape}")
     if out is None:
         dst = np.empty(xa.shape, np.float32)
         result = None
@@ -255,5 +292,5 @@ def apply_rope(x, positions, theta, rotary_dim=None, *, out=None, n_threads=None
         result = out
     if dst.size:
         run("dense", "apply_rope", (xa, pos), dst, backend=backend, n_threads=n_threads,
-            theta=float(theta), rotary_dim=int(rd))
+            theta=float(theta), rotary_dim=int(rd), inv_freq=freq)
     return result if result is not None else wrap(dst, is_torch(x))

@@ -90,6 +90,10 @@ def _checks(seed: int) -> list[Check]:
     xp = f(16, 4, 256)
     checks.append(Check("apply_rope partial 64/256 theta 1e7",
                         lambda b, x=xp: dk.apply_rope(x, pos, 1e7, rotary_dim=64, backend=b)))
+    llama3 = dk.rope_inv_freq(5e5, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    checks.append(Check("apply_rope llama3-scaled 16x32x128",
+                        lambda b: dk.apply_rope(xr, pos + 20000, 5e5, inv_freq=llama3, backend=b)))
     # Qwen3.5 Gated DeltaNet (state updated in place: each backend gets its own copy)
     for t in (1, 16, 100):
         gq, gk, gv = f(t, 4, 64), f(t, 4, 64), f(t, 8, 64)

@@ -132,17 +132,19 @@ class Ops:
         self.kernel_s += perf_counter() - t
         return out
 
-    def rope(self, x, positions, theta, rotary_dim=None):
-        """RoPE in place on a float32 C-contiguous (T, H, D) array (first rotary_dim dims; default D)."""
+    def rope(self, x, positions, theta, rotary_dim=None, inv_freq=None):
+        """RoPE in place on a float32 C-contiguous (T, H, D) array (first rotary_dim dims; default D);
+        inv_freq: scaled frequencies (float64, rotary_dim / 2) instead of theta's."""
         t = perf_counter()
         rd = x.shape[-1] if rotary_dim is None else rotary_dim
         if (self._dense is not None and _plain(x, 3) and x.size and x.flags.writeable
                 and isinstance(positions, np.ndarray) and positions.dtype == np.int64
                 and positions.shape == (x.shape[0],) and positions.flags.c_contiguous):
-            self._dense.apply_rope(x, positions, x, n_threads=self._n, theta=float(theta), rotary_dim=int(rd))
+            self._dense.apply_rope(x, positions, x, n_threads=self._n, theta=float(theta), rotary_dim=int(rd),
+                                   inv_freq=inv_freq)
             out = x
         else:
-            out = dk.apply_rope(x, positions, theta, rotary_dim, out=x, **self.kw)
+            out = dk.apply_rope(x, positions, theta, rotary_dim, inv_freq=inv_freq, out=x, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 

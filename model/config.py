@@ -7,6 +7,7 @@ raise ``ConfigError`` naming the file and the key on anything missing or inconsi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -77,16 +78,25 @@ class _Reader:
             self.fail("rope_theta", "is missing (neither rope_theta nor rope_parameters.rope_theta)")
         return self.float("rope_theta", default)
 
-    def rope_scaling(self):
+    def rope_scaling(self) -> tuple | None:
+        """The rope_scaling dict as sorted items (None: plain RoPE); "linear" and "llama3" are
+        supported (dflash_kernels.rope_inv_freq), anything else is an error naming the key."""
         scaling = self.data.get("rope_scaling")
         params = self.data.get("rope_parameters")
-        kind = None
-        if isinstance(scaling, dict):
-            kind = scaling.get("rope_type", scaling.get("type"))
-        elif isinstance(params, dict):
-            kind = params.get("rope_type")
-        if kind not in (None, "default"):
-            self.fail("rope_scaling", f"type {kind!r} is not supported (only default RoPE)")
+        if not isinstance(scaling, dict):
+            scaling = params if isinstance(params, dict) else None
+        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            return None
+        if kind not in ("linear", "llama3"):
+            self.fail("rope_scaling", f"type {kind!r} is not supported (default, linear, llama3)")
+        import dflash_kernels as dk
+
+        try:
+            dk.rope_inv_freq(1e4, 64, scaling)
+        except (TypeError, ValueError) as err:
+            self.fail("rope_scaling", f"is invalid: {err}")
+        return tuple(sorted((k, v) for k, v in scaling.items() if k != "rope_theta"))
 
     def dtype(self) -> str:
         return str(self.data.get("dtype") or self.data.get("torch_dtype") or "bfloat16").replace("torch.", "")
@@ -135,10 +145,16 @@ class Qwen3Config:
     path: str = ""
     qk_norm: bool = True
     architecture: str = "Qwen3ForCausalLM"
+    rope_scaling: tuple | None = None  # sorted (key, value) items of a linear / llama3 rope_scaling
 
     @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @functools.cached_property
+    def rope_inv_freq(self):
+        """Scaled RoPE frequencies for the kernels, or None for plain theta RoPE."""
+        return _inv_freq(self)
 
     @property
     def kv_dim(self) -> int:
@@ -175,7 +191,7 @@ def qwen3_config_from_dict(data: dict, path) -> Qwen3Config:
     r.attention_bias()
     if r.data.get("mlp_bias"):
         r.fail("mlp_bias", "true is not supported (no bias in the MLP)")
-    r.rope_scaling()
+    scaling = r.rope_scaling()
     n_layers = r.int("num_hidden_layers")
     heads = r.int("num_attention_heads")
     kv = r.int("num_key_value_heads", heads if llama else None)
@@ -211,7 +227,16 @@ def qwen3_config_from_dict(data: dict, path) -> Qwen3Config:
         path=str(path),
         qk_norm=not llama,
         architecture="LlamaForCausalLM" if llama else "Qwen3ForCausalLM",
+        rope_scaling=scaling,
     )
+
+
+def _inv_freq(cfg):
+    if cfg.rope_scaling is None:
+        return None
+    import dflash_kernels as dk
+
+    return dk.rope_inv_freq(cfg.rope_theta, cfg.head_dim, dict(cfg.rope_scaling))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -245,6 +270,11 @@ class DFlashConfig:
     dtype: str = "bfloat16"
     path: str = ""
     qk_norm: bool = True  # DFlash drafters use Qwen3 layers, whatever the target
+    rope_scaling: tuple | None = None
+
+    @functools.cached_property
+    def rope_inv_freq(self):
+        return _inv_freq(self)
 
     @property
     def q_dim(self) -> int:
@@ -271,7 +301,7 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
         r.fail("architectures", f"must contain 'DFlashDraftModel', got {archs!r}")
     r.hidden_act()
     r.attention_bias()
-    r.rope_scaling()
+    scaling = r.rope_scaling()
     dcfg = r.data.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         r.fail("dflash_config", f"must be an object, got {dcfg!r}")
@@ -339,6 +369,7 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
         causal=causal,
         dtype=r.dtype(),
         path=str(path),
+        rope_scaling=scaling,
     )
 
 

@@ -122,7 +122,7 @@ class DFlashDrafter:
         for li, L in enumerate(self.layers):
             off = 2 * kvd * li
             k = ops.rms_norm(kv[:, off : off + kvd].reshape(S * Hkv, D), L.k_norm, eps).reshape(S, Hkv, D)
-            cache.k[li, start : start + S] = ops.rope(k, pos, c.rope_theta)
+            cache.k[li, start : start + S] = ops.rope(k, pos, c.rope_theta, inv_freq=c.rope_inv_freq)
             cache.v[li, start : start + S] = kv[:, off + kvd : off + 2 * kvd].reshape(S, Hkv, D)
         cache.length = start + S
 

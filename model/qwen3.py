@@ -69,7 +69,8 @@ def project_qkv(ops, layer, h, pos, cfg, eps):
         q = ops.rms_norm(qkv[:, :qd].reshape(T * Hq, D), layer.q_norm, eps).reshape(T, Hq, D)
         k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), layer.k_norm, eps).reshape(T, Hkv, D)
     v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
-    return ops.rope(q, pos, cfg.rope_theta), ops.rope(k, pos, cfg.rope_theta), v
+    freq = cfg.rope_inv_freq  # None unless rope_scaling
+    return ops.rope(q, pos, cfg.rope_theta, inv_freq=freq), ops.rope(k, pos, cfg.rope_theta, inv_freq=freq), v
 
 
 @dataclass

@@ -515,26 +515,28 @@ def rms_norm_residual(const float[:, ::1] x, const float[:, ::1] residual, const
 
 
 def apply_rope(const float[:, :, ::1] x, const long long[::1] positions, float[:, :, ::1] out, *,
-               int n_threads, double theta, int rotary_dim):
-    """out (T, H, D) = NeoX rotate-half RoPE of x over the first rotary_dim dims (out may be x)."""
+               int n_threads, double theta, int rotary_dim, const double[::1] inv_freq=None):
+    """out (T, H, D) = NeoX rotate-half RoPE of x over the first rotary_dim dims (out may be x);
+    frequencies theta^(-2j/rotary_dim), or inv_freq (rotary_dim/2 of them: scaled RoPE) when given."""
     cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = x.shape[2], half = rotary_dim // 2
     cdef Py_ssize_t t, j, r
     cdef double angle
     cdef float *table = <float *> malloc(2 * T * half * sizeof(float))  # (T, 2, half): cos | sin
-    cdef double *inv_freq = <double *> malloc(half * sizeof(double))
+    cdef double *freq = <double *> malloc(half * sizeof(double))
+    cdef bint given = inv_freq is not None
     cdef int nt = _threads(T * H * D, PARALLEL_ELEMS, n_threads)
-    if table == NULL or inv_freq == NULL:
+    if table == NULL or freq == NULL:
         free(table)
-        free(inv_freq)
+        free(freq)
         raise MemoryError()
     try:
         with nogil:
             for j in range(half):
-                inv_freq[j] = pow(theta, -2.0 * j / rotary_dim)
+                freq[j] = inv_freq[j] if given else pow(theta, -2.0 * j / rotary_dim)
             # Angles in float64: pos * inv_freq reaches ~2.6e5 rad, where fp32 would be off by ~1e-2.
             for t in range(T):
                 for j in range(half):
-                    angle = positions[t] * inv_freq[j]
+                    angle = positions[t] * freq[j]
                     table[(2 * t) * half + j] = <float> cos(angle)
                     table[(2 * t + 1) * half + j] = <float> sin(angle)
         for r in prange(T * H, nogil=True, num_threads=nt, schedule="static"):
@@ -543,4 +545,4 @@ def apply_rope(const float[:, :, ::1] x, const long long[::1] positions, float[:
                         &out[t, r % H, 0])
     finally:
         free(table)
-        free(inv_freq)
+        free(freq)

@@ -146,10 +146,13 @@ def write_qwen3(d, *, shards=1, dtype="bf16", seed=0, hot_tokens=0, hot_scale=3.
     return d
 
 
-def llama_config(*, hidden=64, heads=4, kv=2, head_dim=None, tie=True, rope_theta=5e5, **kw) -> dict:
+def llama_config(*, hidden=64, heads=4, kv=2, head_dim=None, tie=True, rope_theta=5e5, rope_scaling=None,
+                 **kw) -> dict:
     """A LlamaForCausalLM config (transformers spelling); head_dim omitted = hidden / heads."""
     cfg = qwen3_config(hidden=hidden, heads=heads, kv=kv, head_dim=head_dim or hidden // heads, tie=tie,
                        rope_theta=rope_theta, **kw)
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=False, pretraining_tp=1)
     for key in ("max_window_layers", "sliding_window", "use_sliding_window"):
         cfg.pop(key)

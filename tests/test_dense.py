@@ -252,6 +252,34 @@ def test_apply_rope_matches_reference(backend, t, h, half_d, partial, theta, max
     np.testing.assert_array_equal(got[..., rotary_dim:], x[..., rotary_dim:])  # untouched tail
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+])
+def test_scaled_rope_matches_transformers_and_reference(backend, scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=131072,
+                                   rope_theta=5e5, rope_scaling=dict(scaling))
+    hf_freq, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    freq = dk.rope_inv_freq(5e5, 128, scaling)
+    np.testing.assert_allclose(freq, hf_freq.double().numpy(), rtol=1e-6)  # HF forms them in float32
+    rng = np.random.default_rng(0)
+    x = make_float(rng, (7, 3, 128), "float32")
+    pos = rng.integers(0, 100_000, 7)
+    got = dk.apply_rope(x, pos, 5e5, inv_freq=freq, backend=backend)
+    expect = ref.apply_rope(as_f64(x), torch.from_numpy(pos), theta=5e5, rotary_dim=128, inv_freq=freq)
+    assert_close(got, expect, **TOLERANCE["float32"], what=f"{scaling['rope_type']} rope")
+    plain = dk.apply_rope(x, pos, 5e5, backend=backend)
+    assert not np.allclose(got, plain)  # the scaling is applied, not ignored
+    with pytest.raises(ValueError, match="inv_freq"):
+        dk.apply_rope(x, pos, 5e5, inv_freq=freq[:-1], backend=backend)
+    with pytest.raises(ValueError, match="not supported"):
+        dk.rope_inv_freq(5e5, 128, {"rope_type": "yarn", "factor": 4.0})
+
+
 def test_apply_rope_far_positions_use_accurate_angles(backend):
     # pos * inv_freq ~ 2.6e5 rad: fp32 angles would be off by ~1e-2 rad
     x = np.ones((3, 1, 128), np.float32)

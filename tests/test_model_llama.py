@@ -14,6 +14,10 @@ VARIANTS = {
     "tied-gqa": dict(tie=True, heads=4, kv=2),
     "untied-mha-f32": dict(tie=False, heads=4, kv=4, dtype="f32"),
     "explicit-head-dim": dict(tie=True, heads=4, kv=1, head_dim=24),
+    "llama3-rope-scaling": dict(tie=True, heads=4, kv=2, max_pos=4096, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "linear-rope-scaling": dict(tie=False, heads=4, kv=2, rope_scaling={"rope_type": "linear", "factor": 3.0}),
 }
 
 
@@ -25,7 +29,8 @@ def test_llama_prefill_and_decode_match_transformers(tmp_path, variant):
     engine = dm.load(path, max_len=64)
     target = engine.target
     assert target.cfg.architecture == "LlamaForCausalLM" and not target.cfg.qk_norm
-    prompt = np.random.default_rng(1).integers(0, 380, 10).tolist()
+    assert (target.cfg.rope_inv_freq is None) == ("rope_scaling" not in VARIANTS[variant])
+    prompt = np.random.default_rng(1).integers(0, 380, 40).tolist()  # past the llama3 variant's 64 // 4
     cache = target.new_cache(64)
     hidden, _ = target.forward(prompt, cache)
     with torch.no_grad():

@@ -181,11 +181,10 @@ def rms_norm_residual(x, residual, w, out, new_residual, *, n_threads, eps, offs
 # ---- RoPE -----------------------------------------------------------------------------------------
 
 @njit(**JIT)
-def _rope_table(positions, theta, rotary_dim):
-    """cos | sin of pos * theta^(-2j/rotary_dim) as float32 (T, 2, half); angles in float64."""
-    half = rotary_dim // 2
+def _rope_table(positions, inv_freq):
+    """cos | sin of pos * inv_freq[j] as float32 (T, 2, half); angles in float64."""
+    half = inv_freq.shape[0]
     table = np.empty((positions.shape[0], 2, half), np.float32)
-    inv_freq = theta ** (-2.0 * np.arange(half) / rotary_dim)
     for t in range(positions.shape[0]):
         for j in range(half):
             angle = np.float64(positions[t]) * inv_freq[j]
@@ -211,7 +210,9 @@ def _rope_impl(x, table, out):
 _rope = (njit(**JIT)(_rope_impl), njit(parallel=True, **JIT)(_rope_impl))
 
 
-def apply_rope(x, positions, out, *, n_threads, theta, rotary_dim):
-    table = _rope_table(positions, float(theta), int(rotary_dim))
+def apply_rope(x, positions, out, *, n_threads, theta, rotary_dim, inv_freq=None):
+    if inv_freq is None:
+        inv_freq = float(theta) ** (-2.0 * np.arange(rotary_dim // 2) / rotary_dim)
+    table = _rope_table(positions, inv_freq)
     with numba_threads(n_threads):
         _rope[n_threads > 1 and x.size >= PARALLEL_ELEMS](x, table, out)

@@ -44,17 +44,23 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, 
     return rms_norm(h, w, eps=eps, offset=offset), h
 
 
-def rope_cos_sin(positions: torch.Tensor, theta: float, rotary_dim: int):
-    """cos, sin of pos * theta^(-2j/rotary_dim), j < rotary_dim/2, in float64: (T, rotary_dim/2) each."""
-    j = torch.arange(rotary_dim // 2, dtype=torch.float64)
-    inv_freq = float(theta) ** (-2.0 * j / rotary_dim)
+def rope_cos_sin(positions: torch.Tensor, theta: float, rotary_dim: int, inv_freq=None):
+    """cos, sin of pos * theta^(-2j/rotary_dim), j < rotary_dim/2 (or pos * inv_freq[j] when given: scaled
+    RoPE), in float64: (T, rotary_dim/2) each."""
+    if inv_freq is None:
+        j = torch.arange(rotary_dim // 2, dtype=torch.float64)
+        inv_freq = float(theta) ** (-2.0 * j / rotary_dim)
+    else:
+        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, *, theta: float, rotary_dim: int) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, *, theta: float, rotary_dim: int,
+               inv_freq=None) -> torch.Tensor:
     """NeoX rotate-half RoPE over the first rotary_dim dims of x (T, H, D); the rest passes through."""
     half = rotary_dim // 2
-    cos, sin = (c.to(x.dtype)[:, None, :] for c in rope_cos_sin(positions, theta, rotary_dim))  # (T, 1, half)
+    cs = rope_cos_sin(positions, theta, rotary_dim, inv_freq)
+    cos, sin = (c.to(x.dtype)[:, None, :] for c in cs)  # (T, 1, half)
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
