@@ -222,7 +222,8 @@ def rope_inv_freq(theta: float, rotary_dim: int, scaling: dict | None = None) ->
     "llama3" divides the low frequencies (wavelength above original_max_position_embeddings /
     low_freq_factor) by ``factor``, keeps the high ones (below .../ high_freq_factor) and blends
     linearly in between (Llama 3.1's rule). None or "default": no scaling."""
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)) or rotary_dim < 2 or rotary_dim % 2:
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)) \
+            or rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be an even int >= 2, got {rotary_dim!r}")
     freq = float(theta) ** (-2.0 * np.arange(rotary_dim // 2) / rotary_dim)
     kind = None if not scaling else scaling.get("rope_type", scaling.get("type"))
