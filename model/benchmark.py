@@ -14,9 +14,15 @@ from tqdm import tqdm
 from .metrics import aggregate
 
 
-def load_prompts(prompts_file=None, n_prompts: int = 8) -> list[str]:
-    """Prompts from a file (JSON list of strings, or one prompt per line) or the held-out stdlib modules."""
+def load_prompts(prompts_file=None, n_prompts: int = 8, eng=None) -> list[str]:
+    """Prompts from a file (JSON list of strings, or one prompt per line), else held-out ones: for an
+    engine whose target has a chat template (an instruct model), held-out chat requests
+    (model/prompts.py) through that template, else held-out stdlib source."""
     if prompts_file is None:
+        if eng is not None and eng.chat_template is not None:
+            from .prompts import chat_prompts
+
+            return [eng.chat_prompt(p) for p in chat_prompts("eval", n_prompts)]
         from .corpus import eval_prompts
 
         return eval_prompts(n_prompts)
@@ -36,8 +42,11 @@ def load_prompts(prompts_file=None, n_prompts: int = 8) -> list[str]:
 
 
 def _run(eng, prompts, max_new_tokens, temperature, k, seed):
+    # A chat model's answer ends at its stop token, as a user sees it; source continuations run to
+    # max_new_tokens (the stdlib pair has no natural end).
+    ignore_eos = eng.chat_template is None
     results = [eng.generate(p, max_new_tokens, temperature=temperature, seed=seed + i,
-                            num_speculative_tokens=k, ignore_eos=True) for i, p in enumerate(prompts)]
+                            num_speculative_tokens=k, ignore_eos=ignore_eos) for i, p in enumerate(prompts)]
     return results
 
 
@@ -69,7 +78,7 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
     """AR vs DFlash per temperature (+ a greedy throughput-vs-k sweep); returns rows and markdown."""
     if eng.drafter is None:
         raise ValueError("dflash bench compares autoregressive with DFlash: load a drafter")
-    prompts = load_prompts(prompts_file, n_prompts)
+    prompts = load_prompts(prompts_file, n_prompts, eng)
     k = eng.default_num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
     eng.generate(prompts[0], 8, num_speculative_tokens=k)  # warm-up: JIT caches, buffers
     rows, lossless = [], {}
@@ -197,7 +206,7 @@ def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True,
     """Sweep k by measured greedy throughput (not acceptance rate, which falls with k)."""
     if eng.drafter is None:
         raise ValueError("dflash tune needs a drafter")
-    prompts = prompts or load_prompts(None, n_prompts)
+    prompts = prompts or load_prompts(None, n_prompts, eng)
     ks = [k for k in ks if 1 <= k <= eng.default_num_speculative_tokens]
     eng.generate(prompts[0], 8)  # warm-up
     ar = aggregate(r.metrics for r in _run(eng, prompts, max_new_tokens, 0.0, 0, seed))

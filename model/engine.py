@@ -11,6 +11,7 @@ sampled outputs have the same distribution.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from .qwen3 import Qwen3Model
 from .qwen35 import Qwen35Model
 from .qwen35_config import Qwen35Config, load_target_config
 from .tokenizer import Tokenizer, chat_template_of, render_chat, stop_token_ids
-from .weights import read_checkpoint
+from .weights import check_finite, read_checkpoint
 
 _EMPTY_DRAFTS = np.zeros((1, 0), np.int64)
 
@@ -89,6 +90,24 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text")
         return self.tokenizer.encode(text)
+
+    def clone(self, n_threads: int | None = None) -> Engine:
+        """Another Engine over the same weights, for serving several threads (one Engine per thread:
+        ``generate`` refuses concurrent use of one). The weights are shared and read-only (memory-mapped
+        or packed once); the clone owns its caches, its decoding state, its metrics and its kernel
+        settings (n_threads: default this Engine's). Cost: the KV caches, allocated on first use."""
+        ops = Ops(n_threads=self.ops.n_threads if n_threads is None else n_threads, backend=self.ops.backend,
+                  precision=self.ops.precision)
+        target = copy.copy(self.target)
+        target.ops = ops
+        drafter = None
+        if self.drafter is not None:
+            drafter = copy.copy(self.drafter)
+            drafter.ops = ops
+        twin = Engine(target, drafter, self.tokenizer, self.stop_ids, ops=ops, max_len=self.max_len,
+                      kv_dtype=self.kv_dtype)
+        twin.target_dir, twin.drafter_dir, twin.chat_template = self.target_dir, self.drafter_dir, self.chat_template
+        return twin
 
     def aggregate_metrics(self) -> Metrics:
         return aggregate(self.history)
@@ -366,7 +385,8 @@ class _Run:
 
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
-         fuse_weights="auto", precision: str | None = None, gguf_dtype: str = "bfloat16") -> Engine:
+         fuse_weights="auto", precision: str | None = None, gguf_dtype: str = "bfloat16", mmap: bool = True,
+         check_weights: bool = False) -> Engine:
     """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
     target_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), or a
@@ -381,6 +401,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     all use it, so greedy DFlash output stays identical to greedy autoregressive output under each.
     gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
     "float32" (exact; parity with a float32 reference).
+    mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
+    fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
+    check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
     Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
     """
     target_dir = Path(target_dir)
@@ -389,7 +412,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     if fuse_weights not in (True, False, "auto"):
         raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
     if is_gguf(target_dir):
-        ck = read_gguf(target_dir, gguf_dtype)
+        ck = read_gguf(target_dir, gguf_dtype, mmap=mmap)
         tcfg = qwen3_config_from_dict(ck.config, f"{ck.path} (metadata)")
         tensors, origin = ck.tensors, ck.origin
         tokenizer = Tokenizer(ck.path, ck.tokenizer)
@@ -411,11 +434,13 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         _check_pair(tcfg, dcfg, drafter_dir)
     ops = Ops(n_threads=n_threads, backend=backend, precision=precision)
     if tensors is None:
-        tensors, origin = read_checkpoint(target_dir)
+        tensors, origin = read_checkpoint(target_dir, mmap)
         has_tok = (target_dir / "tokenizer.json").exists()
         tokenizer = Tokenizer(target_dir / "tokenizer.json") if has_tok else None
         stops = stop_token_ids(target_dir, tcfg.eos_token_ids, tokenizer)
         template = chat_template_of(target_dir)
+    if check_weights:
+        check_finite(tensors, origin)
     fuse = fuse_weights
     if fuse == "auto":
         # Fusing saves 3 of 5 GEMV calls per layer (Qwen3-1.7B shape, 2 threads: AR step 132 vs
@@ -426,7 +451,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
                         where=str(target_dir), tap_layer_ids=dcfg.target_layer_ids if dcfg else ())
     drafter = None
     if dcfg is not None:
-        dtensors, dorigin = read_checkpoint(drafter_dir)
+        dtensors, dorigin = read_checkpoint(drafter_dir, mmap)
+        if check_weights:
+            check_finite(dtensors, dorigin)
         drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=ops,
                                 target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
     engine = Engine(target, drafter, tokenizer, stops, ops=ops, max_len=max_len, kv_dtype=kv_dtype)

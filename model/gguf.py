@@ -94,9 +94,10 @@ def is_gguf(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
 
 
-def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True) -> GGUFCheckpoint:
+def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: bool = True) -> GGUFCheckpoint:
     """Read a GGUF checkpoint (see the module docstring). dtype: what quantized tensors are expanded
-    to, "float32" or "bfloat16"; F32 / F16 / BF16 tensors keep their own type (memory-mapped)."""
+    to, "float32" or "bfloat16"; F32 / F16 / BF16 tensors keep their own type (memory-mapped, or
+    copied into memory with mmap=False)."""
     import gguf
 
     if dtype not in ("float32", "bfloat16"):
@@ -114,6 +115,8 @@ def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True) -> GGU
         raise WeightsError(f"{path}: general.architecture {arch!r} is not supported (only {sorted(_ARCHS)})")
     config = _config(meta, arch, reader)
     tensors, origin = _tensors(reader, path, arch, config, dtype)
+    if not mmap:  # nothing may keep the mapping: a later truncation of the file would SIGBUS
+        tensors = {k: v if v.base is None else np.array(v) for k, v in tensors.items()}
     tokenizer = _tokenizer(meta) if with_tokenizer else None
     eos = [i for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
            if i is not None]

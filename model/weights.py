@@ -31,8 +31,9 @@ class WeightsError(ValueError):
     """A checkpoint whose files or tensors do not match what the model needs."""
 
 
-def read_safetensors(path) -> dict[str, np.ndarray]:
-    """Memory-map one .safetensors file; return {name: read-only array} (BF16 as uint16)."""
+def read_safetensors(path, mmap: bool = True) -> dict[str, np.ndarray]:
+    """Memory-map one .safetensors file (mmap=False: read it into memory, so that a file truncated or
+    rewritten later cannot fault the process with SIGBUS); return {name: read-only array} (BF16 as uint16)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -56,7 +57,13 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     header.pop("__metadata__", None)
     data_start = 8 + n
     data_size = size - data_start
-    buf = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    if size <= data_start:
+        buf = np.zeros(0, np.uint8)
+    elif mmap:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+    else:
+        buf = np.fromfile(path, dtype=np.uint8)
+        buf.flags.writeable = False
     out = {}
     for name, info in header.items():
         if isinstance(info, dict) and info.get("dtype") not in _DTYPES:
@@ -82,8 +89,9 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     return out
 
 
-def read_checkpoint(model_dir) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All tensors of a checkpoint directory and, per tensor, the file it came from.
+def read_checkpoint(model_dir, mmap: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of a checkpoint directory and, per tensor, the file it came from (memory-mapped, or
+    read into memory with mmap=False).
 
     Sharded: ``*.safetensors.index.json`` (its weight_map names the shards); else the one
     ``model.safetensors`` (or the only ``*.safetensors`` file).
@@ -105,7 +113,7 @@ def read_checkpoint(model_dir) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             shard_path = model_dir / shard
             if not shard_path.exists():
                 raise WeightsError(f"{index_path}: shard {shard!r} listed in weight_map is missing")
-            for name, arr in read_safetensors(shard_path).items():
+            for name, arr in read_safetensors(shard_path, mmap).items():
                 if name in tensors:
                     raise WeightsError(f"{shard_path}: tensor {name!r} also appears in {origin[name]}")
                 tensors[name], origin[name] = arr, str(shard_path)
@@ -125,7 +133,7 @@ def read_checkpoint(model_dir) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if len(files) > 1:
         names = [f.name for f in files]
         raise WeightsError(f"{model_dir}: several .safetensors files ({names}) and no index.json")
-    for name, arr in read_safetensors(files[0]).items():
+    for name, arr in read_safetensors(files[0], mmap).items():
         tensors[name], origin[name] = arr, str(files[0])
     return tensors, origin
 
@@ -155,6 +163,24 @@ def check_tensors(tensors: dict, origin: dict, expected: dict[str, tuple], where
             lines.append(f"  unexpected tensors ({len(unexpected)}): {_names(unexpected)}")
         lines += [f"  {p}" for p in problems]
         raise WeightsError("\n".join(lines))
+
+
+def check_finite(tensors: dict, origin: dict) -> None:
+    """Raise WeightsError naming the first tensor (and its file) that holds a NaN or an infinity.
+    bf16 (uint16 bits) is non-finite when its exponent bits are all ones."""
+    chunk = 1 << 24  # elements per pass: bounded temporaries on multi-GB tensors
+    for name, arr in tensors.items():
+        if arr.dtype.kind not in "fu" or (arr.dtype.kind == "u" and arr.dtype != np.uint16):
+            continue
+        flat = arr.reshape(-1)
+        for s in range(0, flat.size, chunk):
+            part = flat[s:s + chunk]
+            bad = (part & 0x7F80) == 0x7F80 if part.dtype == np.uint16 else ~np.isfinite(part)
+            if bad.any():
+                i = s + int(np.argmax(bad))
+                where = np.unravel_index(i, arr.shape)
+                raise WeightsError(f"{origin.get(name, '?')}: tensor {name!r} holds a non-finite value at "
+                                   f"index {tuple(int(j) for j in where)}")
 
 
 def _names(names: list, limit: int = 12) -> str:

