@@ -11,6 +11,10 @@ in the same run). For a Qwen3.5 target it also times the rollback after a k=15 v
 
     python bench/scale.py --shape Qwen3-1.7B --tau-json trained_tau.json --out results.json
     python bench/scale.py --shape Qwen3.5-0.8B --repeats 3
+    python bench/scale.py --target SmolLM2-135M-Instruct.Q4_1.gguf --drafter model/default/smollm2-drafter
+
+With --target / --drafter it times those checkpoints (a real model; its shape read from its config)
+instead of writing a random pair.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shapes import QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B  # noqa: E402
+from shapes import QWEN3_0_6B, QWEN3_1_7B, QWEN3_8B, ModelShape  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -333,7 +337,7 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     tgt, dr = eng.target, eng.drafter
     cache, ctx = tgt.new_cache(context + 64), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 151643, context).tolist()
+    prompt = rng.integers(0, min(151643, tgt.cfg.vocab_size), context).tolist()
     _, taps = tgt.forward(prompt, cache, last_only=True, taps=True)
     dr.add_context(taps, ctx)
     base = cache.length
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
                                                   "(reused when DIR already holds one)")
     ap.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     ap.add_argument("--isa", default=None, help="cap the ISA tier (as DFLASH_ISA)")
+    ap.add_argument("--target", help="time this checkpoint (directory or GGUF) instead of a random --shape pair")
+    ap.add_argument("--drafter", help="its DFlash drafter (with --target)")
     ap.add_argument("--ks", default="1-15", help="k values: a range a-b or a comma list (default 1-15)")
     ap.add_argument("--layers", type=int, default=None,
                     help="Qwen3.5 shapes: write and time only this many target layers (a multiple of 4 keeps "
@@ -419,7 +425,16 @@ def main(argv=None) -> int:
         dk.set_isa(args.isa)
     ks = (range(int(args.ks.split("-")[0]), int(args.ks.split("-")[1]) + 1) if "-" in args.ks
           else [int(k) for k in args.ks.split(",")])
-    s = SHAPES[args.shape]
+    if args.target:
+        if not args.drafter:
+            ap.error("--target needs --drafter")
+        from dflash_kernels.model import load
+
+        c = load(args.target, max_len=64).target.cfg
+        s = ModelShape(Path(args.target).stem, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                       c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size)
+    else:
+        s = SHAPES[args.shape]
     if args.layers is not None and (not isinstance(s, HybridShape) or not 1 <= args.layers <= s.layers):
         ap.error(f"--layers needs a Qwen3.5 shape and 1 <= layers <= {s.layers}")
     torch.set_num_threads(args.threads)
@@ -427,7 +442,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash_scale_") as tmp:
         t0 = time.time()
         root = Path(args.keep or tmp)
-        if (root / "target" / "config.json").exists() and (root / "drafter" / "config.json").exists():
+        if args.target:
+            t_dir, d_dir = Path(args.target), Path(args.drafter)
+        elif (root / "target" / "config.json").exists() and (root / "drafter" / "config.json").exists():
             t_dir, d_dir = root / "target", root / "drafter"
         else:
             t_dir, d_dir = write_pair(root, s, draft_layers=DRAFT_LAYERS.get(s.name, 5), layers=args.layers)
@@ -438,7 +455,7 @@ def main(argv=None) -> int:
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision)
-        n_layers = json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
+        n_layers = s.layers if args.target else json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
         f = s.layers / n_layers

@@ -49,6 +49,7 @@ GGUF_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -62,10 +63,10 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path, cfg: dict, tensors: dict, *, qtype=Q.F32, tokenizer: bool = True, pre: str = "qwen2",
-               chat_template: str | None = None, skip_keys=()):
-    """A Llama GGUF as llama.cpp's converter writes it: q/k rows permuted, matmul weights in qtype
-    (norms stay F32), tokenizer.ggml.* from tokenizer_json()."""
-    w = gguf.GGUFWriter(str(path), "llama")
+               chat_template: str | None = None, skip_keys=(), arch: str = "llama"):
+    """A GGUF as llama.cpp's converter writes it: Llama q/k rows permuted (Qwen3's are not), matmul
+    weights in qtype (norms stay F32), tokenizer.ggml.* from tokenizer_json()."""
+    w = gguf.GGUFWriter(str(path), arch)
     H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
           "embedding_length": H, "feed_forward_length": cfg["intermediate_size"], "head_count": heads,
@@ -74,6 +75,9 @@ def write_gguf(path, cfg: dict, tensors: dict, *, qtype=Q.F32, tokenizer: bool =
     for key, value in kv.items():
         if key not in skip_keys:
             getattr(w, f"add_{key}")(value)
+    if "head_dim" in cfg and "key_length" not in skip_keys:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     if tokenizer:
         tok = json.loads(tokenizer_json())
         vocab = dict(tok["model"]["vocab"])
@@ -97,7 +101,9 @@ def write_gguf(path, cfg: dict, tensors: dict, *, qtype=Q.F32, tokenizer: bool =
             w.add_chat_template(chat_template)
     for name, arr in tensors.items():
         arr = np.asarray(arr, np.float32)
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif name.endswith("q_proj.weight"):
             arr = llama_permute(arr, heads)
         elif name.endswith("k_proj.weight"):
             arr = llama_permute(arr, cfg["num_key_value_heads"])
@@ -181,6 +187,20 @@ def test_llama_gguf_matches_transformers(tmp_path, tie):
     with torch.no_grad():
         hf_ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
     assert res.token_ids == hf_ids[0, len(prompt):].tolist()
+
+
+def test_qwen3_gguf_matches_the_same_checkpoint_from_safetensors(tmp_path):
+    from checkpoints import qwen3_config, qwen3_tensors, write_qwen3
+
+    hf_dir = write_qwen3(tmp_path / "hf", dtype="f32", layers=2, head_dim=24)
+    cfg = qwen3_config(layers=2, head_dim=24)
+    path = write_gguf(tmp_path / "q.gguf", cfg, qwen3_tensors(cfg), arch="qwen3")
+    ours, ref = dm.load(path, gguf_dtype="float32", max_len=32), dm.load(hf_dir, max_len=32)
+    assert ours.target.cfg.qk_norm and ours.target.cfg.head_dim == 24
+    prompt = [4, 8, 15, 16, 23, 42]
+    a, _ = ours.target.prefill(prompt, ours.target.new_cache(32))
+    b, _ = ref.target.prefill(prompt, ref.target.new_cache(32))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_dflash_over_a_gguf_target_is_lossless(tmp_path):
