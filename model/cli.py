@@ -244,9 +244,11 @@ def _check_paths(args) -> None:
     """Checked before minutes of loading or benchmarking: checkpoint directories, the output folder."""
     for flag in ("target", "drafter"):
         p = getattr(args, flag, None)
-        if p is not None and not Path(p).is_dir():
-            raise ValueError(f"--{flag} {p}: not a checkpoint directory"
-                             + (" (it is a file: pass the folder holding config.json)" if Path(p).is_file() else ""))
+        if p is None or Path(p).is_dir() or (flag == "target" and Path(p).is_file() and p.endswith(".gguf")):
+            continue
+        hint = " (it is a file: pass the folder holding config.json, or a .gguf file)" if Path(p).is_file() else ""
+        raise ValueError(f"--{flag} {p}: not a checkpoint directory" + (hint if flag == "target" else
+                         hint.replace(", or a .gguf file", "")))
     out = getattr(args, "out", None)
     if out is not None and args.command == "bench":
         try:

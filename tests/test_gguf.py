@@ -291,3 +291,18 @@ def test_bad_gguf_files_name_the_file(tmp_path):
         (tmp_path / "two" / name).write_bytes(data)
     with pytest.raises(WeightsError, match="2 .gguf files"):
         read_gguf(tmp_path / "two")
+
+
+def test_command_line_converts_and_generates_from_a_gguf(tmp_path, capsys):
+    from dflash_kernels.model.cli import main
+
+    cfg, tensors = tiny()
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=Q.Q4_1, chat_template=template)
+    assert main(["convert-gguf", str(path), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    capsys.readouterr()
+    assert main(["generate", "The quick", "--target", str(path), "--max-new-tokens", "5"]) == 0
+    direct = dm.load(path, max_len=64)
+    expected = direct.generate(direct.chat_prompt("The quick"), 5).text  # chat by default: it has a template
+    assert capsys.readouterr().out == expected + "\n"
