@@ -5,6 +5,7 @@ Hypothesis profiles: DFLASH_HYPOTHESIS_PROFILE = dev (few examples) | ci (defaul
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -84,3 +85,23 @@ def assert_close(actual, expected, *, rtol, atol, what=""):
             f"{what}: {bad} of {a.size} elements out of tolerance (rtol={rtol}, atol={atol}); "
             f"worst at {idx}: got {a[idx]!r}, expected {e[idx]!r}"
         )
+
+
+def chi2_ok(counts: dict, probs: np.ndarray, z: float = 3.29):
+    """Pearson chi-square of observed counts vs probs (cells with expected < 5 pooled); True if the
+    statistic is below the Wilson-Hilferty approximation of the 1 - 5e-4 quantile."""
+    n = sum(counts.values())
+    exp = probs * n
+    big = np.flatnonzero(exp >= 5)
+    obs_big = np.array([counts.get(int(i), 0) for i in big], float)
+    rest_obs = n - obs_big.sum()
+    rest_exp = n - exp[big].sum()
+    stat = float(((obs_big - exp[big]) ** 2 / exp[big]).sum())
+    df = len(big) - 1
+    if rest_exp >= 1:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    if df < 1:
+        return True, stat, 0.0
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, stat, crit

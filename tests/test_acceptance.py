@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.reference import acceptance as ref
-from support import KERNEL_BACKENDS, as_f64, as_torch, make_float, readonly
+from support import KERNEL_BACKENDS, as_f64, as_torch, chi2_ok, make_float, readonly
 
 SAMPLING = st.tuples(st.sampled_from([0.4, 1.0, 1.7]), st.sampled_from([0, 1, 3, 50, 10_000]),
                      st.sampled_from([1.0, 0.95, 0.5]))
@@ -250,8 +250,25 @@ def test_emitted_tokens_follow_the_target_distribution(kernel_backend, with_q, s
         reached = num_acc >= i  # every earlier position emitted its draft
         counts = np.bincount(out[reached, i], minlength=v)
         assert counts.sum() > 5_000
-        tv = 0.5 * np.abs(counts / counts.sum() - p[i]).sum()
-        assert tv < 0.03, f"position {i}: total variation {tv:.4f} from the target distribution"
+        ok, stat, crit = chi2_ok(dict(enumerate(counts.tolist())), p[i])
+        assert ok, f"position {i}: chi2 {stat:.1f} >= {crit:.1f} over {counts.sum()} samples"
+
+
+def test_chi_square_check_catches_a_two_percent_bias():
+    """The distribution check above must fail a sampler that is only slightly wrong: with 2% of the
+    mass moved from one token to another, at the sample counts those tests reach."""
+    rng = np.random.default_rng(0)
+    p = torch.softmax(torch.from_numpy(rng.standard_normal(8) * 2.0), -1).numpy()
+    biased = p.copy()
+    shift = min(0.02, biased[0])
+    biased[0] -= shift
+    biased[1] += shift
+    for n in (5_000, 50_000, 600_000):
+        fair = np.bincount(rng.choice(8, size=n, p=p), minlength=8)
+        assert chi2_ok(dict(enumerate(fair.tolist())), p)[0]
+    for n in (50_000, 600_000):
+        bad = np.bincount(rng.choice(8, size=n, p=biased), minlength=8)
+        assert not chi2_ok(dict(enumerate(bad.tolist())), p)[0], f"a 2% bias passed at n={n}"
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 3e-39, 1e-7])

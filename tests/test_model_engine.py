@@ -6,7 +6,6 @@ rounds (tau ~ 1.5-2.5): both the accept and the reject paths run in every test.
 Kernels run with n_threads=1 (tiny shapes; no thread launch cost in the tests).
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 import dflash_kernels as dk
 import dflash_kernels.model as dm
 from checkpoints import special_id, write_dflash
-from support import MACHINE_TIERS
+from support import MACHINE_TIERS, chi2_ok
 
 N_PROMPTS = 20
 NEW_TOKENS = 24
@@ -186,26 +185,6 @@ def _target_probs(eng, ids, temperature):
     return _softmax(eng.target.logits(h)[0], temperature)
 
 
-def _chi2_ok(counts: dict, probs: np.ndarray, z: float = 3.29):
-    """Pearson chi-square of observed counts vs probs (cells with expected < 5 pooled); True if the
-    statistic is below the Wilson-Hilferty approximation of the 1 - 5e-4 quantile."""
-    n = sum(counts.values())
-    exp = probs * n
-    big = np.flatnonzero(exp >= 5)
-    obs_big = np.array([counts.get(int(i), 0) for i in big], float)
-    rest_obs = n - obs_big.sum()
-    rest_exp = n - exp[big].sum()
-    stat = float(((obs_big - exp[big]) ** 2 / exp[big]).sum())
-    df = len(big) - 1
-    if rest_exp >= 1:
-        stat += (rest_obs - rest_exp) ** 2 / rest_exp
-        df += 1
-    if df < 1:
-        return True, stat, 0.0
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat < crit, stat, crit
-
-
 def test_sampling_follows_target_distribution(warm):
     """Tokens 1-3 sampled by DFlash (k=3, T=0.7) follow p(t1), p(t2|t1), p(t3|t1,t2) exactly.
 
@@ -235,7 +214,7 @@ def test_sampling_follows_target_distribution(warm):
         counts = {}
         for s in group:
             counts[s[pos]] = counts.get(s[pos], 0) + 1
-        ok, stat, crit = _chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
+        ok, stat, crit = chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
         assert ok, f"prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f} with {len(group)} samples"
 
 
@@ -260,7 +239,7 @@ def test_sampling_with_auto_k_follows_target_distribution(warm):
         for s in samples:
             if s[:pos] == prefix:
                 counts[s[pos]] = counts.get(s[pos], 0) + 1
-        ok, stat, crit = _chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
+        ok, stat, crit = chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
         assert ok, f"auto k, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
 
 
@@ -272,7 +251,7 @@ def test_sampling_ar_matches_distribution_and_seed(warm):
     for s in range(N):
         t = hot.generate(prompt, 1, temperature=T, seed=1000 + s, num_speculative_tokens=0).token_ids[0]
         counts[t] = counts.get(t, 0) + 1
-    ok, stat, crit = _chi2_ok(counts, _target_probs(hot, prompt, T))
+    ok, stat, crit = chi2_ok(counts, _target_probs(hot, prompt, T))
     assert ok, f"AR first token chi2 {stat:.1f} >= {crit:.1f}"
     a = hot.generate(prompt, 20, temperature=T, seed=42, ignore_eos=True).token_ids
     b = hot.generate(prompt, 20, temperature=T, seed=42, ignore_eos=True).token_ids

@@ -126,3 +126,34 @@ def test_drafter_fine_tunes_from_checkpoint_with_chosen_taps(tiny_pair, tmp_path
         T.train_drafter(tmp_path / "bad", out / "target", init_from=tmp_path / "taps", **kw)
     with pytest.raises(ValueError, match="taps must be"):
         T.train_drafter(tmp_path / "bad2", out / "target", taps=[4], **kw)
+
+
+def test_drafter_data_from_prompts_of_any_length_equals_one_by_one(tiny_pair):
+    """Left-padded batches (prompts of different lengths) give each row the tokens, stop and tap
+    features of generating it alone."""
+    out, _, _ = tiny_pair
+    target = T.load_torch_target(out / "target")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (3, 9, 6, 12)]
+    stop = 7
+    batched = T.generate_drafter_data(target, prompts, 10, [0, 2], batch=4, stop_ids=(stop,), quiet=True)
+    for i, p in enumerate(prompts):
+        alone = T.generate_drafter_data(target, [p], 10, [0, 2], batch=1, stop_ids=(stop,), quiet=True)
+        n = int(alone["length"][0])
+        assert int(batched["length"][i]) == n and int(batched["prompt_len"][i]) == len(p)
+        assert batched["tokens"][i, :n].tolist() == alone["tokens"][0, :n].tolist()
+        assert batched["tokens"][i, :len(p)].tolist() == p
+        torch.testing.assert_close(batched["feats"][i, :n].float(), alone["feats"][0, :n].float(),
+                                   rtol=2e-2, atol=2e-2)  # bf16 storage; padding changes the sum order
+        assert not batched["feats"][i, n:].any()
+        gen = batched["tokens"][i, len(p):n].tolist()
+        assert stop not in gen[:-1] and (n == len(p) + 10 or gen[-1] == stop)
+
+
+def test_mask_token_is_an_unused_row_or_an_unused_special_token():
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
+    tok.add_special_tokens(["<eos>", "<x>", "<y>"])  # ids 2, 3, 4
+    assert T.mask_token_id({"vocab_size": 8}, tok) == 7  # a padded embedding row
+    assert T.mask_token_id({"vocab_size": 5, "eos_token_id": 2, "bos_token_id": 4}, tok) == 3
