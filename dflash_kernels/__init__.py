@@ -24,7 +24,7 @@ from ._backends import available_backends, kernel_module
 from ._config import show_config
 from ._isa import active_tier, set_isa
 from ._precision import get_matmul_precision, set_matmul_precision
-from .acceptance import accept_greedy, rejection_sample
+from .acceptance import accept_greedy, filtered_probs, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .denoise import denoise_block, make_draft_block
 from .dense import (
@@ -48,6 +48,7 @@ from .linear_attention import (
 
 __all__ = [
     "accept_greedy",
+    "filtered_probs",
     "active_tier",
     "get_matmul_precision",
     "kernel_module",

@@ -133,6 +133,39 @@ def accept_greedy(draft_tokens, target_tokens, num_draft=None, *, vocab_size=Non
     return _finish(num_accepted, out, unbatched, any_torch(draft_tokens, target_tokens))
 
 
+def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """The sampling distribution of each row of ``logits`` (T, V): softmax(logits / temperature)
+    restricted by top_k and top_p, renormalised, by exactly the rule ``rejection_sample`` applies to
+    target rows (ties at either threshold kept; temperature 0 = one-hot argmax, first index). What a
+    drafter that samples its drafts passes as ``draft_probs``. Returns (T, V) float32 in the caller's
+    framework; a row with NaN / +inf, or no finite entry, raises ValueError."""
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    x = float_array(logits, "logits", ndim=2)
+    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).double()
+    if t.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary axis")
+    if torch.isnan(t).any() or (temperature > 0 and torch.isposinf(t).any()):
+        raise ValueError("logits contain NaN or +inf")
+    if not torch.isfinite(t).any(dim=1).all():
+        raise ValueError("logits have a row with no finite entry (all -inf)")
+    v = t.shape[1]
+    if temperature == 0:
+        p = torch.zeros_like(t)
+        p[torch.arange(t.shape[0]), t.argmax(1)] = 1.0  # torch.argmax: first index of the maximum
+    else:
+        keep = torch.ones_like(t, dtype=torch.bool)
+        if 0 < top_k < v:
+            keep = t >= torch.topk(t, top_k, dim=1).values[:, -1:]
+        p = torch.softmax(torch.where(keep, t / temperature, torch.full_like(t, -math.inf)), dim=1)
+        if top_p < 1.0:
+            desc = torch.sort(p, dim=1, descending=True).values
+            reached = torch.cumsum(desc, 1) >= top_p
+            last = torch.where(reached.any(1), reached.int().argmax(1), (desc > 0).sum(1) - 1)
+            p = torch.where(p >= desc.gather(1, last[:, None]), p, torch.zeros_like(p))
+            p = p / p.sum(1, keepdim=True)
+    return wrap(p.float().numpy(), any_torch(logits))
+
+
 def rejection_sample(draft_tokens, target_logits, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
                      num_draft=None, uniforms=None, generator=None, n_threads=None, backend="auto"):
     """Lossless speculative sampling of one verify round; the emitted tokens follow the target exactly.

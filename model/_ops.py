@@ -233,11 +233,18 @@ class Ops:
         self.kernel_s += perf_counter() - t
         return out
 
-    def rejection_sample(self, drafts, logits, temperature, top_k, top_p, generator, num_draft=None):
+    def filtered_probs(self, logits, temperature, top_k, top_p):
+        t = perf_counter()
+        out = dk.filtered_probs(logits, temperature, top_k, top_p)
+        self.kernel_s += perf_counter() - t
+        return out
+
+    def rejection_sample(self, drafts, logits, temperature, top_k, top_p, generator, num_draft=None,
+                         draft_probs=None):
         t = perf_counter()
         out = dk.rejection_sample(
-            drafts, logits, temperature=temperature, top_k=top_k, top_p=top_p, num_draft=num_draft,
-            generator=generator, **self.kw,
+            drafts, logits, draft_probs=draft_probs, temperature=temperature, top_k=top_k, top_p=top_p,
+            num_draft=num_draft, generator=generator, **self.kw,
         )
         self.kernel_s += perf_counter() - t
         return out

@@ -153,3 +153,17 @@ class DFlashDrafter:
         """n_draft greedy draft tokens (argmax of rows 1..n_draft through the target's lm_head)."""
         h = self.block_hidden(anchor, n_draft, cache)
         return self.ops.argmax_tokens(h[1:], self.lm_head)
+
+    def draft_sampled(self, anchor: int, n_draft: int, cache: ContextCache, temperature: float, top_k: int,
+                      top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """n_draft drafts sampled from the drafter's own distribution q (its logits under the request's
+        temperature / top_k / top_p, dk.filtered_probs), and q itself (n_draft, V): rejection sampling
+        with q accepts with probability sum_x min(p(x), q(x)) per position, where a one-hot (argmax)
+        draft is accepted only with p(argmax)."""
+        h = self.block_hidden(anchor, n_draft, cache)
+        q = self.ops.filtered_probs(self.ops.linear(h[1:], self.lm_head), temperature, top_k, top_p)
+        csum = np.cumsum(q, axis=1, dtype=np.float64)
+        u = rng.random(n_draft) * csum[:, -1]
+        # inverse CDF: the first index whose running sum exceeds u (so q > 0 there)
+        drafts = np.minimum((csum <= u[:, None]).sum(axis=1), q.shape[1] - 1).astype(np.int64)
+        return drafts, q

@@ -347,7 +347,12 @@ class _Run:
                 t2 = perf_counter()
                 a = 0
             else:
-                drafts = drafter.draft(anchor, kk, ctx)  # (k,)
+                q = None
+                if self.temperature == 0.0:
+                    drafts = drafter.draft(anchor, kk, ctx)  # (k,) argmax drafts
+                else:  # drafts sampled from the drafter's q; rejection sampling gets q too
+                    drafts, q = drafter.draft_sampled(anchor, kk, ctx, self.temperature, self.top_k, self.top_p,
+                                                      self.rng)
                 t1 = perf_counter()
                 block = np.empty(kk + 1, np.int64)
                 block[0], block[1:] = anchor, drafts
@@ -360,7 +365,7 @@ class _Run:
                     logits = target.logits(hidden)  # (k+1, V)
                     t2 = perf_counter()
                     n_acc, row = ops.rejection_sample(drafts[None], logits[None], self.temperature, self.top_k,
-                                                      self.top_p, self.rng)
+                                                      self.top_p, self.rng, draft_probs=q[None])
                 a = int(np.asarray(n_acc)[0])
                 new = np.asarray(row)[0, : a + 1].tolist()  # accepted drafts + bonus
                 cache.truncate(start + a + 1)

@@ -297,3 +297,24 @@ def test_all_minus_inf_row_raises_on_every_backend(temperature):
     for b in dk.available_backends():
         with pytest.raises(ValueError, match="has no finite logit"):
             dk.rejection_sample(np.array([[3, 4]]), logits, temperature=temperature, generator=0, backend=b)
+
+
+@pytest.mark.parametrize("sampling", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0.5, 0, 0.5), (1.3, 3, 1.0), (0.0, 0, 1.0)])
+def test_filtered_probs_is_the_rule_rejection_sample_applies(sampling):
+    temperature, top_k, top_p = sampling
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((6, 40)) * 2).astype(np.float32)
+    logits[2, :4] = logits[2, 4]  # ties at the thresholds
+    logits[3, 10:] = -np.inf
+    got = dk.filtered_probs(logits, temperature, top_k, top_p)
+    for r in range(6):
+        if temperature == 0:
+            expect = np.eye(40)[np.argmax(logits[r])]
+        else:
+            expect = ref.filtered_probs(torch.from_numpy(logits[r]).double(), temperature, top_k, top_p).numpy()
+        np.testing.assert_allclose(got[r], expect, rtol=1e-6, atol=1e-7)
+    assert isinstance(dk.filtered_probs(torch.from_numpy(logits), 1.0), torch.Tensor)
+    with pytest.raises(ValueError, match="no finite entry"):
+        dk.filtered_probs(np.full((1, 4), -np.inf, np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        dk.filtered_probs(np.array([[0.0, np.nan]], np.float32))

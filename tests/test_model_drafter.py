@@ -113,3 +113,28 @@ def test_inference_drafter_matches_training_drafter(tmp_path, target_dir):
     with torch.no_grad():
         ref = train(block, torch.arange(13, 21)[None], torch.from_numpy(taps)[None], torch.tensor([[13]]))[0]
     assert_close(ours, ref, rtol=1e-4, atol=1e-4, what="training vs inference drafter")
+
+
+def test_sampled_drafts_follow_the_drafters_own_distribution(tmp_path, target_dir):
+    import dflash_kernels as dk
+    from support import chi2_ok
+
+    d = write_dflash(tmp_path / "d", target_dir, layers=2, block_size=8, target_layer_ids=(0, 2))
+    target, drafter, _, _ = build(target_dir, d)
+    cache, ctx = target.new_cache(64), drafter.new_cache(64)
+    _, taps = target.forward([5, 9, 13, 2, 8], cache)
+    drafter.add_context(taps, ctx)
+    h = drafter.block_hidden(8, 3, ctx)
+    expected = dk.filtered_probs(drafter.ops.linear(h[1:], drafter.lm_head), 0.8, 20, 0.95)
+    rng = np.random.default_rng(0)
+    draws = []
+    for _ in range(4000):
+        drafts, q = drafter.draft_sampled(8, 3, ctx, 0.8, 20, 0.95, rng)
+        np.testing.assert_array_equal(q, expected)  # q is the distribution the drafts come from
+        assert (q[np.arange(3), drafts] > 0).all()
+        draws.append(drafts)
+    draws = np.array(draws)
+    for i in range(3):
+        counts = np.bincount(draws[:, i], minlength=q.shape[1])
+        ok, stat, crit = chi2_ok(dict(enumerate(counts.tolist())), expected[i].astype(np.float64))
+        assert ok, f"row {i}: chi2 {stat:.1f} >= {crit:.1f}"
