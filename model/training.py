@@ -127,6 +127,37 @@ def _resume(state_path: Path, log_path: Path, model, opt) -> int:
     return st["step"]
 
 
+def save_loss_plot(log_path: Path, png: Path) -> bool:
+    """The training and evaluation loss of a train_log.jsonl as a PNG (False without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in rows]
+    # a running mean over 50 steps: single batches are noisy
+    loss = np.convolve([r["loss"] for r in rows], np.ones(50) / 50, mode="valid") if len(rows) >= 50 else \
+        [r["loss"] for r in rows]
+    ax.plot(steps[len(steps) - len(loss):], loss, label="training loss (50-step mean)")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot(*zip(*ev, strict=True), "o-", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted cross-entropy (nats)")
+    ax.legend()
+    ax.set_title(f"{Path(log_path).parent.name}: {steps[-1]} steps")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _save_state(path: Path, model, opt, step: int, extra: dict | None = None) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, **(extra or {})}, tmp)
@@ -463,4 +494,5 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
              "n_params": sum(p.numel() for p in drafter.parameters())}
     save_drafter(drafter, out, tcfg, taps, mask_id, block_size)
     (out / "train_result.json").write_text(json.dumps(final, indent=2) + "\n")
+    save_loss_plot(log_path, out / "loss.png")
     return final

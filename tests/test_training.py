@@ -67,6 +67,7 @@ def test_drafter_loss_falls(tiny_pair):
     losses = _losses(out / "drafter" / "train_log.jsonl")
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
     assert 1.0 <= drafter["eval_tau_estimate"] <= 16.0
+    assert (out / "drafter" / "loss.png").stat().st_size > 1000  # the model card's loss curve
 
 
 def test_trained_pair_loads_in_public_layout(tiny_pair):
