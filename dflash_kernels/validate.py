@@ -167,11 +167,17 @@ def _contenders() -> list[tuple[str, str, str | None]]:
 def validate(seed: int = 0, file=sys.stdout) -> bool:
     """Run every check on every compiled backend and tier; print a table; return True when all pass."""
     print("\n".join(config_lines()), file=file)
+    from tqdm import tqdm
+
     contenders = _contenders()
     rows, ok_all = [], True
     saved_cap = _isa.current_cap()
+    checks = _checks(seed)
+    # a first run spends about a minute compiling the Numba kernels (then cached): say so, and show progress
+    print(f"running {len(checks)} checks on {len(contenders)} backends (the first run also compiles the "
+          "Numba kernels, about a minute)", file=sys.stderr)
     try:
-        for check in _checks(seed):
+        for check in tqdm(checks, desc="validate", unit="check", file=sys.stderr, leave=False):
             ref = check.run("torch")
             for label, b, cap in contenders:
                 _isa.set_isa(cap or saved_cap)
