@@ -426,6 +426,11 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     step = _resume(state_path, log_path, drafter, opt) if resume else 0
     if step == 0 and init_from is not None:
         _init_drafter(drafter, Path(init_from), taps)
+    elif step == 0:
+        # the drafter's rows go through the target's LM head: start its final norm at the target's, so
+        # the first logits have the target's scale (a unit norm gave SmolLM2 an initial loss of 44 nats)
+        with torch.no_grad():
+            drafter.norm.weight.copy_(target.model.norm.weight)
     weights = block_loss_weights(block_size)
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     n_all = data["tokens"].shape[0]
