@@ -109,10 +109,14 @@ def torch_linear(x: np.ndarray, w: np.ndarray, bias, parts: int, out: np.ndarray
         out[...] = res.float().numpy()
 
 
-def tune_linear(shapes, *, m_values=(1, 16), precision=None, n_threads=None, rounds: int = 7,
-                save: bool = True) -> list[dict]:
+def tune_linear(shapes: list, *, m_values: tuple = (1, 16), precision: str | None = None, n_threads: int | None = None,
+                rounds: int = 7, save: bool = True) -> list[dict]:
     """Time ours against torch for each (N, K) weight shape, both weight dtypes, each M; store the
-    shapes torch wins into the per-machine table. Returns one row per case."""
+    shapes torch wins into the per-machine table. Returns one row per case.
+
+    shapes: (N, K) weight shapes (``Ops.linear_shapes`` of a model); m_values: the row counts M to time
+    (decode 1, a verification block 16); precision: as ``linear``; rounds: timed calls per case (the
+    median counts); save: write the winners to the table ``linear`` consults."""
     from ._backends import kernel_module
     from ._precision import parts as precision_parts
     from ._threads import resolve_threads

@@ -10,6 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# What every public op takes and returns: a numpy array or a torch CPU tensor (bf16 as numpy uint16 or
+# torch.bfloat16); the result is in the framework of the inputs.
+Array = np.ndarray | torch.Tensor
+Generator = int | np.random.Generator | torch.Generator | None
+
 F32 = "float32"
 BF16 = "bfloat16"
 FLOAT_DTYPES = (F32, BF16)

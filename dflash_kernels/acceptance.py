@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ._dispatch import run
-from ._tensors import any_torch, float_array, index_array, wrap
+from ._tensors import Array, Generator, any_torch, float_array, index_array, wrap
 
 # kernel status codes (see dflash_kernels/_numba/acceptance.py)
 _STATUS = {1: "contains NaN or +inf", 2: "has no finite logit (all -inf)",
@@ -104,8 +104,9 @@ def _finish(num_accepted, out, unbatched: bool, torch_out: bool):
     return wrap(num_accepted, torch_out), wrap(out, torch_out)
 
 
-def accept_greedy(draft_tokens, target_tokens, num_draft=None, *, vocab_size=None, n_threads=None,
-                  backend="auto"):
+def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | None = None, *,
+                  vocab_size: int | None = None, n_threads: int | None = None,
+                  backend: str = "auto") -> tuple[Array, Array]:
     """Greedy verification: the longest prefix of drafts equal to the target's argmax choices.
 
     draft_tokens (B, K) int, target_tokens (B, K+1) int (the target's choice at each verify row),
@@ -133,7 +134,7 @@ def accept_greedy(draft_tokens, target_tokens, num_draft=None, *, vocab_size=Non
     return _finish(num_accepted, out, unbatched, any_torch(draft_tokens, target_tokens))
 
 
-def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
     """The sampling distribution of each row of ``logits`` (T, V): softmax(logits / temperature)
     restricted by top_k and top_p, renormalised, by exactly the rule ``rejection_sample`` applies to
     target rows (ties at either threshold kept; temperature 0 = one-hot argmax, first index). What a
@@ -166,8 +167,10 @@ def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
     return wrap(p.float().numpy(), any_torch(logits))
 
 
-def rejection_sample(draft_tokens, target_logits, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
-                     num_draft=None, uniforms=None, generator=None, n_threads=None, backend="auto"):
+def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: Array | None = None,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_draft: Array | None = None,
+                     uniforms: Array | None = None, generator: Generator = None, n_threads: int | None = None,
+                     backend: str = "auto") -> tuple[Array, Array]:
     """Lossless speculative sampling of one verify round; the emitted tokens follow the target exactly.
 
     draft_tokens (B, K) int; target_logits (B, K+1, V) float32 or bf16 (row i scores position i);

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ._dispatch import run
-from ._tensors import any_torch, f32_array, float_array, wrap
+from ._tensors import Array, any_torch, f32_array, float_array, wrap
 
 
 def _window(window):
@@ -67,8 +67,9 @@ def _check_heads(h_q: int, h_kv: int, k_name: str):
         raise ValueError(f"q heads ({h_q}) must be a positive multiple of {k_name} heads ({h_kv})")
 
 
-def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_block=False, window=None,
-                          n_threads=None, backend="auto"):
+def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_blk: Array, *,
+                          scale: float | None = None, causal_block: bool = False, window: int | None = None,
+                          n_threads: int | None = None, backend: str = "auto") -> Array:
     """Drafter attention: block queries over [injected context | block] keys/values, without a copy.
 
     q: (T_q, H_q, D) block queries. k_ctx, v_ctx: (T_ctx, H_kv, D) context keys/values (T_ctx may
@@ -98,8 +99,8 @@ def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_b
     return wrap(out, any_torch(q, k_ctx, v_ctx, k_blk, v_blk))
 
 
-def cached_attention(q, k_cache, v_cache, *, causal=True, scale=None, window=None, n_threads=None,
-                     backend="auto"):
+def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool = True, scale: float | None = None,
+                     window: int | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
     """Attention of the last T_q positions of a KV cache (decode T_q = 1, verification T_q = k+1, prefill).
 
     q: (T_q, H_q, D); k_cache, v_cache: (T_kv, H_kv, D) with T_q <= T_kv, H_q % H_kv == 0; the cache

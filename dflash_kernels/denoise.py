@@ -10,14 +10,15 @@ import torch
 from ._backends import resolve
 from ._dispatch import run
 from ._precision import parts as precision_parts
-from ._tensors import any_torch, f32_array, float_array, index_array, wrap
+from ._tensors import Array, Generator, any_torch, f32_array, float_array, index_array, wrap
 from ._threads import resolve_threads
 from .acceptance import check_sampling, check_uniforms, draw_uniforms
 from .reference.dense import round_activations
 
 
-def denoise_block(hidden, lm_head, *, temperature=0.0, top_k=0, top_p=1.0, generator=None, uniforms=None,
-                  precision=None, n_threads=None, backend="auto"):
+def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: Generator = None, uniforms: Array | None = None, precision: str | None = None,
+                  n_threads: int | None = None, backend: str = "auto") -> Array:
     """One token per row of ``hidden @ lm_head^T``, without materialising the logits when greedy.
 
     hidden (T, H) float32 (bf16 is upcast): the drafter block's final-normed rows (or the target's
@@ -63,12 +64,13 @@ def denoise_block(hidden, lm_head, *, temperature=0.0, top_k=0, top_p=1.0, gener
     return wrap(tokens, any_torch(hidden, lm_head))
 
 
-def make_draft_block(anchor_ids, mask_token_id, block_size, *, vocab_size=None, n_threads=None,
-                     backend="auto"):
+def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, vocab_size: int | None = None,
+                     n_threads: int | None = None, backend: str = "auto") -> Array:
     """The block a drafter denoises: [anchor, MASK x (block_size - 1)] per sequence.
 
     anchor_ids (B,) or a scalar (last committed token per sequence) -> (B, block_size) int64, or
-    (block_size,) for a scalar anchor. A plain fill: n_threads and backend are validated for API
+    (block_size,) for a scalar anchor. mask_token_id: the drafter config's mask token; vocab_size:
+    when given, every id must lie below it. A plain fill: n_threads and backend are validated for API
     uniformity only.
     """
     resolve_threads(n_threads)

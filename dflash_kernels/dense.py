@@ -10,11 +10,11 @@ from ._autotune import delegates, torch_linear
 from ._backends import resolve
 from ._dispatch import run
 from ._precision import parts as precision_parts
-from ._tensors import dtype_name, f32_array, float_array, index_array, is_torch, wrap
+from ._tensors import Array, dtype_name, f32_array, float_array, index_array, is_torch, wrap
 from ._threads import resolve_threads
 
 
-def silu_and_mul(gate_up, *, n_threads=None, backend="auto"):
+def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """SwiGLU activation: ``silu(gate) * up`` where ``gate_up = [gate | up]`` along the last axis.
 
     gate_up: (M, 2*I) float32 or bf16. Returns (M, I) float32.
@@ -74,7 +74,7 @@ class PackedWeight:
         return f"PackedWeight(shape={self.shape}, dtype={dt})"
 
 
-def pack_weight(weight) -> PackedWeight:
+def pack_weight(weight: Array) -> PackedWeight:
     """Pack a linear weight (N, K), float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns), for
     ``linear``'s "fma-packed" path. Makes one copy; the source is not kept."""
     w = float_array(weight, "weight", ndim=2)
@@ -102,7 +102,7 @@ def pack_weight(weight) -> PackedWeight:
     return PackedWeight((n, k), w.dtype, data, finite)
 
 
-def prepare_weight(weight, *, backend="auto"):
+def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Array:
     """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where the Cython
     kernels run (every compiled path, FMA, AMX or vdpbf16ps tiles, has a packed form at least as
     fast as its row-major one, whatever the precision), else ``weight`` unchanged (Numba and torch
@@ -116,7 +116,8 @@ def prepare_weight(weight, *, backend="auto"):
     return pack_weight(w)
 
 
-def linear(x, weight, bias=None, *, precision=None, n_threads=None, backend="auto"):
+def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str | None = None,
+           n_threads: int | None = None, backend: str = "auto") -> Array:
     """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
 
     x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
@@ -182,7 +183,8 @@ def _offset(offset) -> float:
     return float(offset)
 
 
-def rms_norm(x, w, eps=1e-6, *, offset=0.0, residual=None, n_threads=None, backend="auto"):
+def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, residual: Array | None = None,
+             n_threads: int | None = None, backend: str = "auto") -> Array | tuple[Array, Array]:
     """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * (offset + w)``, in float32.
 
     x: (..., H) float32 or bf16 (any rank >= 1). w: (H,) float32 or bf16. offset: 0.0 for Qwen3's
@@ -246,7 +248,9 @@ def rope_inv_freq(theta: float, rotary_dim: int, scaling: dict | None = None) ->
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def apply_rope(x, positions, theta, rotary_dim=None, *, inv_freq=None, out=None, n_threads=None, backend="auto"):
+def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None = None, *,
+               inv_freq: Array | None = None, out: Array | None = None, n_threads: int | None = None,
+               backend: str = "auto") -> Array:
     """Rotary position embedding, NeoX rotate-half style, over the first ``rotary_dim`` dims.
 
     x: (T, H, D) float32 (bf16 accepted, upcast). positions: (T,) non-negative integers.

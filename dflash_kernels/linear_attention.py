@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dispatch import run
-from ._tensors import _numpy_view, any_torch, dtype_name, f32_array, float_array, wrap
+from ._tensors import Array, _numpy_view, any_torch, dtype_name, f32_array, float_array, wrap
 
 
 def _state_array(x, name: str, shape: tuple) -> np.ndarray:
@@ -63,8 +63,10 @@ def _checkpoint_slots(checkpoints, T: int) -> np.ndarray:
     return slot
 
 
-def gated_delta_rule(q, k, v, g, beta, state, *, checkpoints=False, use_qk_l2norm=True, scale=None,
-                     chunk_size=None, checkpoints_out=None, n_threads=None, backend="auto"):
+def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *, checkpoints: bool = False,
+                     use_qk_l2norm: bool = True, scale: float | None = None, chunk_size: int | None = None,
+                     checkpoints_out: Array | None = None, n_threads: int | None = None,
+                     backend: str = "auto") -> tuple[Array, Array | None]:
     """Gated delta rule over a block of T tokens, continuing from (and updating) `state` in place.
 
     q, k: (T, H_k, d_k) raw projections (after conv + SiLU), float32 or bf16; with
@@ -140,7 +142,9 @@ def _conv_weight(weight) -> np.ndarray:
     return w
 
 
-def causal_conv1d(x, weight, conv_state, *, activation="silu", checkpoints=False, n_threads=None, backend="auto"):
+def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str | None = "silu",
+                  checkpoints: bool = False, n_threads: int | None = None,
+                  backend: str = "auto") -> Array | tuple[Array, Array]:
     """Depthwise causal conv over time (Qwen3.5 GDN short conv), continuing from `conv_state`.
 
     x: (T, C) float32 or bf16, channels in the checkpoint's order ([q | k | v] for Qwen3.5).
@@ -170,7 +174,7 @@ def causal_conv1d(x, weight, conv_state, *, activation="silu", checkpoints=False
     return (wrap(y, torch_out), wrap(ckpts, torch_out)) if checkpoints else wrap(y, torch_out)
 
 
-def conv_state_at(conv_state_before, x, n: int):
+def conv_state_at(conv_state_before: Array, x: Array, n: int) -> Array:
     """The conv state after the first n tokens of x: rows n .. n+K-2 of [conv_state_before^T ; x].
 
     conv_state_before: (C, K-1), the state before x was fed; x: (T, C) the inputs fed; 0 <= n <= T.
@@ -189,7 +193,8 @@ def conv_state_at(conv_state_before, x, n: int):
     return wrap(out, any_torch(conv_state_before, x))
 
 
-def gated_rms_norm(x, z, weight, eps=1e-6, *, n_threads=None, backend="auto"):
+def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_threads: int | None = None,
+                   backend: str = "auto") -> Array:
     """Qwen3.5 RMSNormGated (linear_attn.norm): weight * x * rsqrt(mean(x^2) + eps) * silu(z), fp32.
 
     x, z: (..., D) float32 or bf16 (same shape; D = d_v, one norm per head); weight: (D,), ones-centred
@@ -212,7 +217,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6, *, n_threads=None, backend="auto"):
     return wrap(out.reshape(xa.shape), any_torch(x, z))
 
 
-def split_query_gate(qg, n_heads: int, head_dim: int):
+def split_query_gate(qg: Array, n_heads: int, head_dim: int) -> tuple[Array, Array]:
     """Split a Qwen3.5 gated-attention q_proj output, laid out per head as [query_h | gate_h].
 
     qg: (T, n_heads * 2 * head_dim) float32 or bf16. Returns (query (T, n_heads, head_dim),
@@ -230,7 +235,7 @@ def split_query_gate(qg, n_heads: int, head_dim: int):
     return wrap(query, any_torch(qg)), wrap(gate, any_torch(qg))
 
 
-def apply_output_gate(o, gate, *, n_threads=None, backend="auto"):
+def apply_output_gate(o: Array, gate: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """Gated attention output o * sigmoid(gate), before o_proj.
 
     o: (T, H, D) or (T, H*D); gate: (T, H*D); float32 or bf16. Returns (T, H*D) float32.
