@@ -287,7 +287,9 @@ class _Run:
         if self.stream is not None:
             t = perf_counter()
             new_ids = self.out[n0:]
-            text = self.decoder.push(new_ids) if self.decoder else None
+            # the stop token that ends generation is not text (GenerationResult.text leaves it out too)
+            stopped = self.finish == "stop" and new_ids and new_ids[-1] in self.stop_ids
+            text = self.decoder.push(new_ids[:-1] if stopped else new_ids) if self.decoder else None
             if self.finish is not None and self.decoder:
                 text += self.decoder.flush()
             self.stream(new_ids, text)

@@ -147,6 +147,15 @@ def test_streaming_pieces_add_up(plain):
     assert "".join(pieces) == plain.tokenizer.decode(res.token_ids)
 
 
+def test_streamed_text_leaves_out_the_stop_token_as_the_result_does(plain):
+    free = plain.generate([11, 12, 13], 16, ignore_eos=True).token_ids
+    stop = free[5]  # a token greedy decoding reaches: generation ends there
+    pieces = []
+    res = plain.generate([11, 12, 13], 16, stop=[stop], stream=lambda new_ids, text: pieces.append(text))
+    assert res.finish_reason == "stop" and res.token_ids[-1] == stop
+    assert "".join(pieces) == res.text == plain.tokenizer.decode(res.token_ids[:-1])
+
+
 def test_metrics(hot):
     hot.reset_metrics()
     res = hot.generate([1, 2, 3], 30, num_speculative_tokens=7, ignore_eos=True)
