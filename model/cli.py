@@ -246,9 +246,10 @@ def _check_paths(args) -> None:
         p = getattr(args, flag, None)
         if p is None or Path(p).is_dir() or (flag == "target" and Path(p).is_file() and p.endswith(".gguf")):
             continue
-        hint = " (it is a file: pass the folder holding config.json, or a .gguf file)" if Path(p).is_file() else ""
-        raise ValueError(f"--{flag} {p}: not a checkpoint directory" + (hint if flag == "target" else
-                         hint.replace(", or a .gguf file", "")))
+        if Path(p).is_file():
+            what = "config.json, or a .gguf file" if flag == "target" else "config.json"
+            raise ValueError(f"--{flag} {p}: not a checkpoint directory (it is a file: pass the folder holding {what})")
+        raise ValueError(f"--{flag} {p}: not a checkpoint directory")
     out = getattr(args, "out", None)
     if out is not None and args.command == "bench":
         try:

@@ -124,6 +124,19 @@ def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: 
                           tuple(dict.fromkeys(int(i) for i in eos)))
 
 
+def read_gguf_tokenizer(path):
+    """(tokenizers.Tokenizer, chat template or None) from a GGUF's metadata only: no tensor is read."""
+    import gguf
+
+    path = find_gguf(path)
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as err:
+        raise WeightsError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    meta = _Metadata(reader, path)
+    return _tokenizer(meta), meta.get("tokenizer.chat_template")
+
+
 class _Metadata:
     def __init__(self, reader, path: Path):
         self.reader, self.path = reader, path

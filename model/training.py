@@ -263,12 +263,11 @@ def _target_tokenizer(target):
     """(tokenizers.Tokenizer, chat template or None) of a checkpoint directory or GGUF file."""
     from tokenizers import Tokenizer
 
-    from .gguf import is_gguf, read_gguf
+    from .gguf import is_gguf, read_gguf_tokenizer
     from .tokenizer import chat_template_of
 
     if is_gguf(target):
-        ck = read_gguf(target, "float32")
-        return ck.tokenizer, ck.chat_template
+        return read_gguf_tokenizer(target)
     return Tokenizer.from_file(str(Path(target) / "tokenizer.json")), chat_template_of(target)
 
 
@@ -342,7 +341,7 @@ def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
         raise ValueError(f"{src / 'model.safetensors'}: does not match the drafter: {err}") from None
 
 
-def _drafter_prompts(target, tok, template, source: str, n: int, prompt_len: int, eos_id: int, seed: int):
+def _drafter_prompts(tok, template, source: str, n: int, prompt_len: int, eos_id: int, seed: int):
     """Prompt token ids for drafter data: "stdlib" (random corpus windows of prompt_len tokens) or
     "chat" (model/prompts.py user messages through the target's chat template)."""
     if source == "stdlib":
@@ -415,7 +414,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     else:
         eos = tcfg.get("eos_token_id")
         eos = eos if isinstance(eos, int) else tcfg.get("bos_token_id", 0)
-        ids = _drafter_prompts(target, tok, template, prompts, n_sequences, prompt_len, eos, seed)
+        ids = _drafter_prompts(tok, template, prompts, n_sequences, prompt_len, eos, seed)
         stops = (eos,) if prompts == "chat" else ()
         data = generate_drafter_data(target, ids, new_tokens, taps, batch=64, stop_ids=stops, bf16=bf16,
                                      quiet=quiet)

@@ -105,3 +105,9 @@ def chi2_ok(counts: dict, probs: np.ndarray, z: float = 3.29):
         return True, stat, 0.0
     crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat < crit, stat, crit
+
+
+def greedy_runs(engine, prompts=("The quick brown fox", "def add(a, b):"), n: int = 24):
+    """(autoregressive, DFlash) greedy results per prompt, for lossless checks."""
+    return [(engine.generate(p, n, num_speculative_tokens=0, ignore_eos=True), engine.generate(p, n, ignore_eos=True))
+            for p in prompts]

@@ -12,6 +12,7 @@ import dflash_kernels.model as dm
 from checkpoints import llama_config, llama_tensors, tokenizer_json, write_dflash
 from dflash_kernels.model.gguf import convert_gguf, read_gguf
 from dflash_kernels.model.weights import WeightsError, as_f32
+from support import greedy_runs
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -211,9 +212,7 @@ def test_dflash_over_a_gguf_target_is_lossless(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
     engine = dm.load(path, drafter, max_len=128)
-    for prompt in ("The quick brown fox", "def add(a, b):"):
-        ar = engine.generate(prompt, 24, num_speculative_tokens=0, ignore_eos=True)
-        sd = engine.generate(prompt, 24, ignore_eos=True)
+    for ar, sd in greedy_runs(engine):
         assert sd.token_ids == ar.token_ids
 
 
