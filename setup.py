@@ -122,7 +122,8 @@ def _extensions():
                 extra_compile_args=[*OPT_FLAGS, *march, *FLOAT_FLAGS, *omp_compile],
                 extra_link_args=omp_link,
                 # the kernels live in headers: an edit to one rebuilds the modules
-                depends=[str(h.relative_to(HERE)) for h in sorted((HERE / "pyx").glob("*.h"))],
+                depends=[str(h.relative_to(HERE)) for pat in ("*.h", "*.pxi")
+                         for h in sorted((HERE / "pyx").glob(pat))],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                                ("DK_TIER", f'"{tier}"')],
             ))

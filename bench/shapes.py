@@ -15,6 +15,8 @@ class ModelShape:
     vocab: int
 
 
+SMOLLM2_135M = ModelShape("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152)
+SHIPPED_TARGET = ModelShape("shipped-target", 256, 768, 4, 4, 2, 64, 4160)  # model/default/target
 QWEN3_0_6B = ModelShape("Qwen3-0.6B", 1024, 3072, 28, 16, 8, 128, 151936)
 QWEN3_1_7B = ModelShape("Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936)
 QWEN3_8B = ModelShape("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936)

@@ -37,6 +37,7 @@ from .dense import (
     rope_inv_freq,
     silu_and_mul,
 )
+from .layers import Qwen3Layer, prepare_qwen3_layer, qwen3_layer
 from .linear_attention import (
     apply_output_gate,
     causal_conv1d,
@@ -71,6 +72,9 @@ __all__ = [
     "pack_weight",
     "prepare_weight",
     "PackedWeight",
+    "Qwen3Layer",
+    "prepare_qwen3_layer",
+    "qwen3_layer",
     "make_draft_block",
     "rejection_sample",
     "rms_norm",

@@ -16,6 +16,7 @@ from dflash_kernels._autotune import delegates, torch_linear
 from dflash_kernels._backends import resolve
 from dflash_kernels._precision import check_precision, parts as precision_parts
 from dflash_kernels._threads import resolve_threads
+from dflash_kernels.layers import run_qwen3_layer
 
 from .weights import release_pages
 
@@ -66,6 +67,8 @@ class Ops:
         # on avx512_bf16; inside a Qwen3-1.7B-shape verification on avx512, with the memory-mapped
         # head, 373 ms through denoise_block), and the (rows, V) float32 logits are small
         self.block_head_linear = name == "cython"
+        # whole decoder layers in one compiled call (dflash_kernels/layers.py) where the Cython kernels run
+        self.fused_layers = self._linear_packed is not None
 
     def prepare(self, w):
         """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: a packed copy where
@@ -107,6 +110,13 @@ class Ops:
         else:
             out = dk.linear(x, w, precision=self.precision, **self.kw)
         return out
+
+    def qwen3_layer(self, x, layer, k_cache, v_cache, start):
+        """x (T, H) <- layer(x) in place, as one compiled call (layer.fused, Cython); the layer's K/V rows
+        go into k_cache / v_cache (max_len, H_kv, D) at start.."""
+        t = perf_counter()
+        run_qwen3_layer(self._dense, x, layer, k_cache, v_cache, start, self._parts, self._n)
+        self.kernel_s += perf_counter() - t
 
     def rms_norm(self, x, w, eps, offset=0.0):
         """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w))."""

@@ -9,11 +9,10 @@ last layer's entry is the final-normed output, as in HF).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from dflash_kernels._tensors import f32_to_bf16
+from dflash_kernels.layers import Qwen3Layer
 
 from ._ops import Ops
 from ._target import TargetBase
@@ -73,19 +72,6 @@ def project_qkv(ops, layer, h, pos, cfg, eps):
     return ops.rope(q, pos, cfg.rope_theta, inv_freq=freq), ops.rope(k, pos, cfg.rope_theta, inv_freq=freq), v
 
 
-@dataclass
-class _Layer:
-    w_in: np.ndarray  # (H,) f32
-    w_qkv: np.ndarray | tuple  # (q_dim + 2 kv_dim, H) [Wq; Wk; Wv] (tuple of the three: unfused)
-    q_norm: np.ndarray | None  # (D,) f32 (None: a Llama layer)
-    k_norm: np.ndarray | None  # (D,) f32
-    w_o: np.ndarray  # (H, q_dim)
-    w_post: np.ndarray  # (H,) f32
-    w_gate_up: np.ndarray | tuple  # (2I, H) [Wgate; Wup]: silu_and_mul reads [gate | up]
-    w_down: np.ndarray  # (H, I)
-    window: int | None
-
-
 class KVCache:
     """Per-sequence KV cache: (layers, max_len, H_kv, D) K and V, float32 or bf16 (uint16) storage."""
 
@@ -141,7 +127,7 @@ class Qwen3Model(TargetBase):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
-            self.layers.append(_Layer(
+            self.layers.append(Qwen3Layer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
                 w_qkv=prep(concat_rows(t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"],
                                        fuse=fuse)),
@@ -151,8 +137,12 @@ class Qwen3Model(TargetBase):
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
                 w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
                 w_down=prep(t[m + "down_proj.weight"]),
-                window=window,
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, inv_freq=cfg.rope_inv_freq, window=window,
             ))
+        # one compiled call per layer where every layer's weights are packed (Cython): the same kernels
+        # in the same order as the loop below, bit for bit (dflash_kernels/layers.py)
+        self.fused_layers = self.ops.fused_layers and all(L.fused for L in self.layers)
         self.set_taps(tap_layer_ids)
 
     def new_cache(self, max_len: int, dtype: str = "float32") -> KVCache:
@@ -187,6 +177,15 @@ class Qwen3Model(TargetBase):
         qd = c.q_dim
         x = self.embed_rows(ids)  # (T, H) residual stream
         n_layers = len(self.layers)
+        if self.fused_layers:
+            for li, L in enumerate(self.layers):
+                ops.qwen3_layer(x, L, cache.k[li], cache.v[li], start)
+                if tap_out is not None and li in self._tap_slot:
+                    tap = x if li < n_layers - 1 else ops.rms_norm(x, self.norm, eps)  # HF: last entry is normed
+                    for slot in self._tap_slot[li]:
+                        tap_out[:, slot * c.hidden_size : (slot + 1) * c.hidden_size] = tap
+            cache.length = start + T
+            return ops.rms_norm(x, self.norm, eps) if want_hidden else None
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
             if delta is None:

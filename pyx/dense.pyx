@@ -431,37 +431,43 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
     weights_finite=False (W holds inf or NaN; PackedWeight.finite) keeps to the FMA tiles: the AMX
     and vdpbf16ps tiles multiply every activation part, and a part that is 0 times an infinite
     weight gives NaN where x * inf is +-inf."""
-    global _last_path
-    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1], m
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
     cdef int bf16 = 0 if wtype is float else 1
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV, g
     if packed.shape[0] != npanels * dk_pk_panel_elems(K, bf16) or out.shape[0] != M \
             or (bias is not None and bias.shape[0] != N):
         raise ValueError(f"linear_packed: packed weight of {packed.shape[0]} values does not fit x {(M, K)}, "
                          f"out {(out.shape[0], N)}")
-    _last_path = PATH_FMA_PACKED
     if M == 0 or N == 0:
         return
+    _linear_packed_run(&x[0, 0] if K else NULL, M, K, N, &packed[0] if packed.shape[0] else NULL, bf16,
+                       NULL if bias is None else &bias[0], &out[0, 0], n_threads, parts, weights_finite)
+
+
+cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const void *wp, int bf16,
+                            const float *bp, float *op, int n_threads, int parts, bint weights_finite) except -1:
+    """linear_packed on raw pointers (x C-contiguous, M, N > 0): linear_packed and the fused layers."""
+    global _last_path
+    cdef Py_ssize_t m, g
+    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
+    cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV
+    _last_path = PATH_FMA_PACKED
     if K == 0:  # an empty sum: only the bias is left
         for m in range(M):
             for g in range(N):
-                out[m, g] = 0.0 if bias is None else bias[g]
-        return
-    cdef const void *wp = <const void *> &packed[0]
-    cdef const float *bp = NULL if bias is None else &bias[0]
-    cdef float *op = &out[0, 0]
+                op[m * N + g] = 0.0 if bp == NULL else bp[g]
+        return 0
     cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
     if bf16 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
     cdef int path = _choose_packed_path(M, bf16, parts) if weights_finite else PATH_FMA_PACKED
     _last_path = path
     if path == PATH_AMX_PACKED:
-        if _linear_packed_amx(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
-            return
+        if _linear_packed_amx(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
+            return 0
     elif path == PATH_BF16DOT_PACKED:
-        if _linear_packed_bf16dot(&x[0, 0], <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
-            return
+        if _linear_packed_bf16dot(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
+            return 0
     _last_path = PATH_FMA_PACKED  # (also for inf / NaN in x: IEEE results from the FMA tiles)
     # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
     # tiles broadcast from DK_PK_MR rows at once, which a 4 KiB-multiple stride would put into one
@@ -470,20 +476,18 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
     cdef float *xpad = <float *> malloc(max(M * ldx, 1) * sizeof(float))
     if xpad == NULL:
         raise MemoryError()
-    try:
-        with nogil:
-            for m in range(M):
-                if parts < 3:
-                    dk_round_rows(K, &x[m, 0], parts, &xpad[m * ldx])
-                elif K:
-                    memcpy(&xpad[m * ldx], &x[m, 0], K * sizeof(float))
+    with nogil:
+        for m in range(M):
+            if parts < 3:
+                dk_round_rows(K, xp + m * K, parts, &xpad[m * ldx])
+            else:
+                memcpy(&xpad[m * ldx], xp + m * K, K * sizeof(float))
         # static: a contiguous run of panels per thread (one stream per panel for the prefetchers);
         # each output is computed by one thread in a fixed order whatever the split
-        for g in prange(ngroups, nogil=True, num_threads=min(nt, ngroups), schedule="static"):
+        for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
             dk_pk_run(M, K, N, g * DK_PK_NV, min(npanels, (g + 1) * DK_PK_NV), bf16, xpad, ldx, wp, bp, op)
-    finally:
-        free(xpad)
-
+    free(xpad)
+    return 0
 
 def silu_and_mul(const float[:, ::1] x, float[:, ::1] out, *, int n_threads):
     """out (M, I) = silu(x[:, :I]) * x[:, I:]."""
@@ -519,30 +523,39 @@ def apply_rope(const float[:, :, ::1] x, const long long[::1] positions, float[:
     """out (T, H, D) = NeoX rotate-half RoPE of x over the first rotary_dim dims (out may be x);
     frequencies theta^(-2j/rotary_dim), or inv_freq (rotary_dim/2 of them: scaled RoPE) when given."""
     cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = x.shape[2], half = rotary_dim // 2
-    cdef Py_ssize_t t, j, r
-    cdef double angle
+    cdef Py_ssize_t t, r
     cdef float *table = <float *> malloc(2 * T * half * sizeof(float))  # (T, 2, half): cos | sin
-    cdef double *freq = <double *> malloc(half * sizeof(double))
-    cdef bint given = inv_freq is not None
     cdef int nt = _threads(T * H * D, PARALLEL_ELEMS, n_threads)
-    if table == NULL or freq == NULL:
-        free(table)
-        free(freq)
+    if table == NULL:
         raise MemoryError()
     try:
         with nogil:
-            for j in range(half):
-                freq[j] = inv_freq[j] if given else pow(theta, -2.0 * j / rotary_dim)
-            # Angles in float64: pos * inv_freq reaches ~2.6e5 rad, where fp32 would be off by ~1e-2.
-            for t in range(T):
-                for j in range(half):
-                    angle = positions[t] * freq[j]
-                    table[(2 * t) * half + j] = <float> cos(angle)
-                    table[(2 * t + 1) * half + j] = <float> sin(angle)
+            _rope_table(&positions[0] if T else NULL, T, half, rotary_dim, theta,
+                        &inv_freq[0] if inv_freq is not None else NULL, table)
         for r in prange(T * H, nogil=True, num_threads=nt, schedule="static"):
             t = r // H
             dk_rope_row(&x[t, r % H, 0], &table[2 * t * half], &table[(2 * t + 1) * half], half, D,
                         &out[t, r % H, 0])
     finally:
         free(table)
-        free(freq)
+
+
+cdef void _rope_table(const long long *positions, Py_ssize_t T, Py_ssize_t half, int rotary_dim, double theta,
+                      const double *inv_freq, float *table) noexcept nogil:
+    """table (T, 2, half) = cos | sin of positions[t] * frequency j: theta^(-2j/rotary_dim), or inv_freq
+    (scaled RoPE) when not NULL. Angles in float64: pos * inv_freq reaches ~2.6e5 rad, where fp32
+    would be off by ~1e-2."""
+    cdef Py_ssize_t t, j
+    cdef double angle, f
+    for j in range(half):
+        f = inv_freq[j] if inv_freq != NULL else pow(theta, -2.0 * j / rotary_dim)
+        for t in range(T):
+            angle = positions[t] * f
+            table[(2 * t) * half + j] = <float> cos(angle)
+            table[(2 * t + 1) * half + j] = <float> sin(angle)
+
+
+# The fused decoder layers (dflash_kernels/layers.py) need linear_packed's paths and state, which live
+# in this module, and the attention core, included here as in attention.pyx.
+include "attention_core.pxi"
+include "layers.pxi"

@@ -273,12 +273,17 @@ static void dk_fma_block(long M, long K, long N, long nlo, long nhi, int bf16, c
 
 #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
 
-static void dk_silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, long n) {
+/* The row functions are compiled once, never inlined: with -ffp-contract=fast and
+   -fassociative-math an inlined copy may contract or reorder differently at each call site, and the
+   fused layers (layers.pxi) must give exactly what the single ops give. */
+#define DK_ROW static __attribute__((noinline))
+
+DK_ROW void dk_silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, long n) {
     for (long i = 0; i < n; i++) o[i] = g[i] / (1.0f + dk_exp(-g[i])) * u[i];
 }
 
 /* o = x / rms(x) * (offset + w); with res != NULL, x + res is normed and stored into new_res */
-static void dk_rms_norm_row(const float *restrict x, const float *restrict res, const float *restrict w,
+DK_ROW void dk_rms_norm_row(const float *restrict x, const float *restrict res, const float *restrict w,
                             float offset, float eps, long h, float *restrict o, float *restrict new_res) {
     const float *v = x;
     if (res) {
@@ -292,7 +297,7 @@ static void dk_rms_norm_row(const float *restrict x, const float *restrict res, 
 }
 
 /* NeoX rotate-half over the first 2*half dims of one head; the rest is copied */
-static void dk_rope_row(const float *x, const float *restrict c, const float *restrict s, long half,
+DK_ROW void dk_rope_row(const float *x, const float *restrict c, const float *restrict s, long half,
                         long d, float *o) {
     for (long j = 0; j < half; j++) {
         float a = x[j], b = x[j + half];

@@ -1,0 +1,63 @@
+"""A target's forward with fused decoder layers against the same model composing the single ops.
+
+One process, one loaded model; the two paths alternate (the model's ``fused_layers`` switch), so
+the machine's noise hits both alike. Decode (1 row), verification (16 rows) and a 64-row prefill
+chunk after a 64-token prompt; medians over the repeats, and a check that both paths give the
+same hidden states bit for bit.
+
+    python bench/fused_layers.py --target model/default/target --threads 2
+    python bench/fused_layers.py --target ~/.cache/dflash_kernels/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dflash_kernels.model import load
+
+
+def _time(t, cache, rows: int, steps: int) -> float:
+    """Seconds per forward of `rows` tokens, appended after the 64-token prompt `steps` times."""
+    cache.truncate(64)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        t.forward(np.arange(rows) + 100 + i, cache, last_only=rows == 1)
+        if rows > 1:
+            cache.truncate(64 + i + 1)  # verification keeps one row, as an accepted-nothing round
+    return (time.perf_counter() - t0) / steps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="model/default/target", help="checkpoint directory or .gguf file")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=32, help="forwards per timing")
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args(argv)
+    t = load(a.target, None, n_threads=a.threads).target
+    if not t.fused_layers:
+        raise SystemExit("this backend has no fused layers (they are Cython's)")
+    cache = t.new_cache(64 + a.steps + 64 + 1)
+    t.prefill(list(range(1, 65)), cache)
+    for rows in (1, 16, 64):
+        res = {True: [], False: []}
+        for _ in range(a.repeats):
+            for fused in (True, False):
+                t.fused_layers = fused
+                res[fused].append(_time(t, cache, rows, a.steps if rows < 64 else max(2, a.steps // 8)))
+        outs = []
+        for fused in (True, False):
+            t.fused_layers = fused
+            cache.truncate(64)
+            outs.append(t.forward(np.arange(rows) + 7, cache)[0])
+        t.fused_layers = True
+        f, c = np.median(res[True]) * 1e3, np.median(res[False]) * 1e3
+        same = "identical" if np.array_equal(outs[0], outs[1]) else "DIFFERENT"
+        print(f"{rows:3d} rows: fused {f:8.3f} ms  composed {c:8.3f} ms  {c / f:5.2f}x  (hidden states {same})")
+
+
+if __name__ == "__main__":
+    main()

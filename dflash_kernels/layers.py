@@ -1,0 +1,236 @@
+"""Fused decoder layers: a whole Qwen3 (or Llama) target layer in one kernel call.
+
+A decoder layer is ~14 kernel calls (norms, the stacked QKV projection, q/k norms, RoPE, the cache
+append, attention, the output projection, the residual adds and the SwiGLU MLP). For a small model,
+or a decode step of any model, the work between those calls (Python wrappers, argument checks,
+output allocation) is a large share of the step: ~20% on SmolLM2-135M, most of it on the shipped
+4M-parameter pair. ``qwen3_layer`` runs the same kernels in the same order from one compiled
+function (pyx/layers.pxi), so its output is bit-identical to the composition of the single ops,
+which is its oracle (``compose_qwen3_layer``) and what other backends run.
+
+Weights are prepared once (``prepare_qwen3_layer``): [Wq; Wk; Wv] and [Wgate; Wup] stacked, every
+matmul weight in linear's fastest layout (``prepare_weight``), the norms in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._backends import resolve
+from ._precision import check_precision, get_matmul_precision, parts as precision_parts
+from ._tensors import Array, any_torch, f32_array, f32_to_bf16, float_array, wrap, _numpy_view
+from ._threads import resolve_threads
+from .attention import cached_attention
+from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
+
+_MATMULS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+
+class Qwen3Layer:
+    """One Qwen3 / Llama decoder layer's weights, ready for ``qwen3_layer``.
+
+    Attributes: ``w_in``, ``w_post`` (H,) float32 norms; ``w_qkv`` (q_dim + 2 kv_dim, H) =
+    [Wq; Wk; Wv], ``w_o`` (H, q_dim), ``w_gate_up`` (2 I, H) = [Wgate; Wup], ``w_down`` (H, I), each a
+    ``PackedWeight`` (Cython) or a float32 / bf16 array; ``q_norm``, ``k_norm`` (D,) float32, or None
+    for a Llama layer; the head counts, ``head_dim``, ``eps``, ``rope_theta``, ``inv_freq`` (float64
+    (D/2,) scaled-RoPE frequencies, or None) and ``window`` (sliding window, or None).
+    """
+
+    __slots__ = ("w_in", "w_qkv", "q_norm", "k_norm", "w_o", "w_post", "w_gate_up", "w_down", "window",
+                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq")
+
+    def __init__(self, *, w_in, w_qkv, q_norm, k_norm, w_o, w_post, w_gate_up, w_down, num_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None):
+        self.w_in, self.w_qkv, self.q_norm, self.k_norm = w_in, w_qkv, q_norm, k_norm
+        self.w_o, self.w_post, self.w_gate_up, self.w_down = w_o, w_post, w_gate_up, w_down
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.rope_theta, self.inv_freq, self.window = eps, rope_theta, inv_freq, window
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w_in.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_down.shape[1]
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``qwen3_layer`` runs this layer as one compiled call (every matmul weight packed)."""
+        return all(isinstance(getattr(self, n), PackedWeight) for n in _MATMULS)
+
+    def __repr__(self) -> str:
+        return (f"Qwen3Layer(hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "
+                f"intermediate={self.intermediate_size}, qk_norm={self.q_norm is not None}, fused={self.fused})")
+
+
+def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray:
+    if name not in weights:
+        raise KeyError(f"missing tensor {name!r}")
+    w = float_array(weights[name], name, ndim=len(shape))
+    if w.shape != shape:
+        raise ValueError(f"tensor {name!r} must have shape {shape}, got {w.shape}")
+    if dtype is not None and w.dtype != dtype:
+        raise TypeError(f"tensor {name!r} must have the dtype of the other projections ({dtype}), got {w.dtype}")
+    return w
+
+
+def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: int, num_key_value_heads: int,
+                        head_dim: int, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
+                        rope_inv_freq: Array | None = None, sliding_window: int | None = None, prefix: str = "",
+                        backend: str = "auto") -> Qwen3Layer:
+    """Prepare one layer from its Hugging Face tensors (names as in a Qwen3 / Llama checkpoint, after
+    ``prefix``, e.g. "model.layers.3."): ``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``,
+    ``self_attn.{q,k}_norm.weight`` (Qwen3; both absent for Llama), ``post_attention_layernorm.weight``,
+    ``mlp.{gate,up,down}_proj.weight``. Matmul weights float32 or bf16, all of one dtype.
+
+    num_attention_heads, num_key_value_heads, head_dim: the attention shape (GQA: the first a
+    multiple of the second; head_dim even). rms_norm_eps, rope_theta: the config's. rope_inv_freq:
+    scaled-RoPE frequencies (``rope_inv_freq``), else rope_theta's. sliding_window: the layer's
+    window, or None. backend: the one ``qwen3_layer`` will run on (packing is for Cython).
+    Errors name the tensor."""
+    for key, v in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads),
+                   ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{key} must be a positive int, got {v!r}")
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads "
+                         f"({num_key_value_heads})")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
+    p, a, m = prefix, prefix + "self_attn.", prefix + "mlp."
+    w_in = f32_array(_weight(weights, p + "input_layernorm.weight", (_hidden(weights, p),)), "input_layernorm")
+    H = w_in.shape[0]
+    qd, kvd = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    wq = _weight(weights, a + "q_proj.weight", (qd, H))
+    wk = _weight(weights, a + "k_proj.weight", (kvd, H), wq.dtype)
+    wv = _weight(weights, a + "v_proj.weight", (kvd, H), wq.dtype)
+    wo = _weight(weights, a + "o_proj.weight", (H, qd), wq.dtype)
+    gate = weights.get(m + "gate_proj.weight")
+    inter = _numpy_view(gate, m + "gate_proj.weight").shape[0] if gate is not None else 0
+    wg = _weight(weights, m + "gate_proj.weight", (inter, H), wq.dtype)
+    wu = _weight(weights, m + "up_proj.weight", (inter, H), wq.dtype)
+    wd = _weight(weights, m + "down_proj.weight", (H, inter), wq.dtype)
+    has_q, has_k = a + "q_norm.weight" in weights, a + "k_norm.weight" in weights
+    if has_q != has_k:
+        raise KeyError(f"{a}q_norm.weight and {a}k_norm.weight come together (Qwen3) or not at all (Llama); "
+                       f"got only {'q_norm' if has_q else 'k_norm'}")
+    qn = f32_array(_weight(weights, a + "q_norm.weight", (head_dim,)), "q_norm") if has_q else None
+    kn = f32_array(_weight(weights, a + "k_norm.weight", (head_dim,)), "k_norm") if has_k else None
+    w_post = f32_array(_weight(weights, p + "post_attention_layernorm.weight", (H,)), "post_attention_layernorm")
+    freq = None
+    if rope_inv_freq is not None:
+        freq = np.ascontiguousarray(np.asarray(rope_inv_freq, dtype=np.float64))
+        if freq.shape != (head_dim // 2,) or not (np.isfinite(freq).all() and (freq > 0).all()):
+            raise ValueError(f"rope_inv_freq must hold {head_dim // 2} finite positive frequencies, got shape "
+                             f"{freq.shape}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    prep = lambda w: prepare_weight(w, backend=backend)  # noqa: E731
+    return Qwen3Layer(
+        w_in=w_in, w_qkv=prep(np.concatenate([wq, wk, wv])), q_norm=qn, k_norm=kn, w_o=prep(wo), w_post=w_post,
+        w_gate_up=prep(np.concatenate([wg, wu])), w_down=prep(wd), num_heads=int(num_attention_heads),
+        num_kv_heads=int(num_key_value_heads), head_dim=int(head_dim), eps=float(rms_norm_eps),
+        rope_theta=float(rope_theta), inv_freq=freq, window=None if sliding_window is None else int(sliding_window))
+
+
+def _hidden(weights: Mapping, prefix: str) -> int:
+    name = prefix + "input_layernorm.weight"
+    if name not in weights:
+        raise KeyError(f"missing tensor {name!r}")
+    shape = _numpy_view(weights[name], name).shape
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"tensor {name!r} must have shape (hidden_size,), got {shape}")
+    return shape[0]
+
+
+def _cache(c, name: str, min_len: int, n_kv: int, d: int) -> np.ndarray:
+    float_array(c, name, ndim=3)  # dtype and rank
+    arr = _numpy_view(c, name)
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"{name} must be C-contiguous and writable: the layer writes its new rows into it")
+    if arr.shape[1:] != (n_kv, d):
+        raise ValueError(f"{name} must have shape (max_len, {n_kv}, {d}), got {arr.shape}")
+    if arr.shape[0] < min_len:
+        raise ValueError(f"{name} holds {arr.shape[0]} positions; the layer writes up to position {min_len - 1}")
+    return arr
+
+
+def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, start: int, *,
+                precision: str | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
+    """The layer's output for rows x (T, H) of the residual stream at positions start..start+T-1.
+
+    k_cache, v_cache: this layer's cache, (max_len, H_kv, D) float32 or bf16 (torch.bfloat16 or numpy
+    uint16), C-contiguous and writable, holding positions 0..start-1. The rows' K (after k_norm and
+    RoPE) and V are written at start..start+T-1, and attention is causal over positions 0..start+T-1
+    (within the layer's window). Returns (T, H) float32: x + attention + MLP, as HF's decoder layer.
+    precision: as ``linear`` (None: the process default). On the Cython backend with packed weights
+    this is one compiled call; otherwise the composition of the single ops (``compose_qwen3_layer``).
+    """
+    if not isinstance(layer, Qwen3Layer):
+        raise TypeError(f"layer must be a Qwen3Layer (prepare_qwen3_layer), got {type(layer).__name__}")
+    xa = f32_array(x, "x", ndim=2)
+    if xa.shape[1] != layer.hidden_size:
+        raise ValueError(f"x must have shape (T, {layer.hidden_size}), got {xa.shape}")
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    T = xa.shape[0]
+    kc = _cache(k_cache, "k_cache", start + T, layer.num_kv_heads, layer.head_dim)
+    vc = _cache(v_cache, "v_cache", start + T, layer.num_kv_heads, layer.head_dim)
+    if kc.shape != vc.shape or kc.dtype != vc.dtype:
+        raise ValueError(f"k_cache and v_cache must match, got {kc.shape} {kc.dtype} and {vc.shape} {vc.dtype}")
+    prec = check_precision(precision) if precision is not None else get_matmul_precision()
+    name, module = resolve(backend, "dense")
+    out = xa.copy()
+    if T:
+        if name == "cython" and layer.fused:
+            run_qwen3_layer(module, out, layer, kc, vc, int(start), precision_parts(prec), resolve_threads(n_threads))
+        else:
+            out = compose_qwen3_layer(out, layer, kc, vc, int(start), precision=prec, n_threads=n_threads,
+                                      backend=backend)
+    return wrap(out, any_torch(x))
+
+
+def run_qwen3_layer(module, x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
+                    parts: int, n_threads: int) -> None:
+    """The compiled layer, no checks: x (T, H) float32 C-contiguous, updated in place (the model
+    layer's fast path; ``qwen3_layer`` validates first)."""
+    finite = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(layer, n).finite)
+    module.qwen3_layer(
+        x, start, layer.w_in, layer.w_qkv.data, layer.q_norm, layer.k_norm, layer.w_o.data, layer.w_post,
+        layer.w_gate_up.data, layer.w_down.data, k_cache, v_cache, n_heads=layer.num_heads,
+        n_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, intermediate=layer.intermediate_size,
+        eps=layer.eps, theta=layer.rope_theta, inv_freq=layer.inv_freq, window=layer.window or 0,
+        n_threads=n_threads, parts=parts, finite_mask=finite)
+
+
+def compose_qwen3_layer(x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v_cache: np.ndarray, start: int, *,
+                        precision: str | None = None, n_threads: int | None = None,
+                        backend: str = "auto") -> np.ndarray:
+    """``qwen3_layer`` as the composition of the single ops (the fused kernel's oracle; the path of
+    the other backends). Same arguments, validated by the caller; returns (T, H) float32."""
+    T, D = x.shape[0], layer.head_dim
+    qd, kvd = layer.num_heads * D, layer.num_kv_heads * D
+    kw = dict(n_threads=n_threads, backend=backend)
+    h = rms_norm(x, layer.w_in, layer.eps, **kw)
+    qkv = linear(h, layer.w_qkv, precision=precision, **kw)
+    q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, layer.num_heads, D)
+    k = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, layer.num_kv_heads, D)
+    v = qkv[:, qd + kvd:].reshape(T, layer.num_kv_heads, D)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, layer.eps, **kw)
+        k = rms_norm(k, layer.k_norm, layer.eps, **kw)
+    pos = np.arange(start, start + T, dtype=np.int64)
+    q = apply_rope(q, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
+    k = apply_rope(k, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
+    bf16 = k_cache.dtype == np.uint16
+    k_cache[start:start + T] = f32_to_bf16(k) if bf16 else k
+    v_cache[start:start + T] = f32_to_bf16(v) if bf16 else v
+    o = cached_attention(q, k_cache[:start + T], v_cache[:start + T], causal=True, window=layer.window, **kw)
+    h, x1 = rms_norm(linear(o.reshape(T, qd), layer.w_o, precision=precision, **kw), layer.w_post, layer.eps,
+                     residual=x, **kw)
+    mlp = linear(silu_and_mul(linear(h, layer.w_gate_up, precision=precision, **kw), **kw), layer.w_down,
+                 precision=precision, **kw)
+    return mlp + x1

@@ -1,0 +1,374 @@
+"""The attention core shared by attention.pyx and the fused layers (layers.pxi, in dense.pyx):
+included, not imported, so that each extension module calls it at C level. See attention.pyx for
+how the work is split."""
+
+from cython.parallel cimport prange, threadid
+from libc.math cimport INFINITY
+from libc.stdint cimport uint16_t, uint32_t
+from libc.stdlib cimport free, malloc
+
+cdef extern from "dk_attention.h":
+    float dk_exp(float x) noexcept nogil
+    void dk_prefetch(const void* p, Py_ssize_t nbytes) noexcept nogil
+    int DK_CB
+    int RB_BIG "DK_RB"          # query rows per register block
+    int RB_SMALL "DK_RB_SMALL"  # ... when an item packs only that many rows (decode)
+    void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk, float* s,
+                     Py_ssize_t lds) noexcept nogil
+    void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
+                     float* acc, Py_ssize_t lda) noexcept nogil
+    int dk_finish_split(int* remaining) noexcept nogil
+    void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                    float* kt, Py_ssize_t ldt) noexcept nogil
+
+
+cdef enum:
+    KT = 32            # keys per tile: K^T and V tiles (2 x 16 KiB at D = 128) stay in L1
+    QROWS = 64         # packed query rows (positions x group heads) per work item
+    SPLIT_ITEMS = 16   # split key ranges until there are about this many work items ...
+    SPLIT_MIN_KEYS = 128  # ... but keep at least this many keys per split
+
+
+cdef struct Problem:
+    const void* k1     # source 1 keys (T1, H_kv, D), float32 or bf16 bits
+    const void* v1
+    const void* k2     # source 2 keys (T2, H_kv, D)
+    const void* v2
+    int bf1            # source 1 stored as bf16
+    int bf2
+    Py_ssize_t T1, T2, T_q, H_q, H_kv, group, D, Dp
+    Py_ssize_t q_off   # position of query 0
+    Py_ssize_t window  # 0: no window
+    int causal
+    float scale
+    Py_ssize_t qb_t    # query positions per work item
+    Py_ssize_t n_qb    # query blocks
+    Py_ssize_t split   # key splits per query block
+    Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
+    Py_ssize_t rows    # packed rows per item, rounded up to rb
+
+
+cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
+    """First key position visible to query t."""
+    cdef Py_ssize_t lo = 0
+    if P.window > 0:
+        lo = P.q_off + t - P.window + 1
+        if lo < 0:
+            lo = 0
+    return lo
+
+
+cdef inline Py_ssize_t _hi(const Problem* P, Py_ssize_t t) noexcept nogil:
+    """Last key position visible to query t."""
+    if P.causal:
+        return P.q_off + t
+    return P.T1 + P.T2 - 1
+
+
+cdef inline void _load_row(const void* base, int bf16, Py_ssize_t off, Py_ssize_t n, float* dst) noexcept nogil:
+    """dst[0:n] = float32 of the row at element offset `off` (bf16: exact, bits << 16)."""
+    cdef Py_ssize_t d
+    cdef const uint16_t* b
+    cdef const float* f
+    cdef uint32_t* u = <uint32_t*>dst
+    if bf16:
+        b = <const uint16_t*>base + off
+        for d in range(n):
+            u[d] = (<uint32_t>b[d]) << 16
+    else:
+        f = <const float*>base + off
+        for d in range(n):
+            dst[d] = f[d]
+
+
+cdef inline const char* _row_ptr(const Problem* P, int value, Py_ssize_t g, Py_ssize_t j, int* bf16) noexcept nogil:
+    """Address of key (value=0) or value (value=1) row j of kv head g, in whichever source holds it."""
+    cdef Py_ssize_t row
+    cdef const void* base
+    if j < P.T1:
+        base, row, bf16[0] = (P.v1 if value else P.k1), j, P.bf1
+    else:
+        base, row, bf16[0] = (P.v2 if value else P.k2), j - P.T1, P.bf2
+    return <const char*>base + (row * P.H_kv + g) * P.D * (2 if bf16[0] else 4)
+
+
+cdef void _prefetch_keys(const Problem* P, Py_ssize_t g, Py_ssize_t j_begin, Py_ssize_t j_end) noexcept nogil:
+    """Software prefetch of K and V rows j_begin..j_end-1 of kv head g (clipped to the keys)."""
+    cdef Py_ssize_t j, nbytes
+    cdef int bf
+    if j_end > P.T1 + P.T2:
+        j_end = P.T1 + P.T2
+    for j in range(j_begin, j_end):
+        nbytes = P.D * (2 if (P.bf1 if j < P.T1 else P.bf2) else 4)
+        dk_prefetch(_row_ptr(P, 0, g, j, &bf), nbytes)
+        dk_prefetch(_row_ptr(P, 1, g, j, &bf), nbytes)
+
+
+cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn,
+                             float* kt, float* vt, Py_ssize_t* ldv) noexcept nogil:
+    """Fill kt (D, KT) = K[j0:j0+kn, g]^T (keys >= kn zero) and return V[j0:j0+kn, g] with its row
+    stride in ldv: in place for float32 rows of one source (D a multiple of DK_CB), else upcast
+    into vt (KT, Dp), dims >= D zero (the P V kernel reads only kn rows)."""
+    cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D
+    cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
+    cdef int bf
+    cdef const char* base
+    if n1 > 0:
+        dk_load_kt(<const char*>P.k1 + (j0 * P.H_kv + g) * D * (2 if P.bf1 else 4), P.bf1, stride, D, n1, kt, KT)
+    if kn > n1:
+        dk_load_kt(<const char*>P.k2 + ((j0 + n1 - P.T1) * P.H_kv + g) * D * (2 if P.bf2 else 4), P.bf2, stride, D,
+                   kn - n1, kt + n1, KT)
+    for d in range(D):
+        for c in range(kn, KT):
+            kt[d * KT + c] = 0.0
+    base = _row_ptr(P, 1, g, j0, &bf)
+    if Dp == D and not bf and (n1 == kn or n1 == 0):
+        ldv[0] = stride
+        return <const float*>base
+    for c in range(kn):
+        base = _row_ptr(P, 1, g, j0 + c, &bf)
+        _load_row(base, bf, 0, D, vt + c * Dp)
+        for d in range(D, Dp):
+            vt[c * Dp + d] = 0.0
+    ldv[0] = Dp
+    return vt
+
+
+cdef inline float _row_max(const float* s) noexcept nogil:
+    """max of s[0:KT]; 8 independent lanes so gcc can vectorise without -ffinite-math."""
+    cdef float mx[8]
+    cdef float x, best
+    cdef int c, lane
+    for lane in range(8):
+        mx[lane] = s[lane]
+    for c in range(1, KT // 8):
+        for lane in range(8):
+            x = s[c * 8 + lane]
+            mx[lane] = x if x > mx[lane] else mx[lane]
+    best = mx[0]
+    for lane in range(1, 8):
+        best = mx[lane] if mx[lane] > best else best
+    return best
+
+
+cdef inline void _softmax_update(float* srow, float* m, float* l, float* accrow, Py_ssize_t Dp,
+                                 Py_ssize_t c_lo, Py_ssize_t c_hi) noexcept nogil:
+    """Online softmax of one row: keys c_lo..c_hi of the tile are visible (maybe none).
+
+    srow becomes the tile's unnormalised probabilities; the running max m, sum l and accumulator
+    row are rescaled to the new max."""
+    cdef Py_ssize_t c, d
+    cdef float mt, mn, alpha, tot = 0.0, p
+    if c_hi < c_lo:  # nothing visible in this tile for this row: contributes nothing
+        for c in range(KT):
+            srow[c] = 0.0
+        return
+    for c in range(c_lo):
+        srow[c] = -INFINITY
+    for c in range(c_hi + 1, KT):
+        srow[c] = -INFINITY
+    mt = _row_max(srow)
+    mn = mt if mt > m[0] else m[0]
+    for c in range(KT):
+        p = dk_exp(srow[c] - mn)
+        srow[c] = p
+        tot += p
+    if mn != m[0]:
+        alpha = dk_exp(m[0] - mn)  # 0 on the first visible tile (m = -inf)
+        l[0] *= alpha
+        for d in range(Dp):
+            accrow[d] *= alpha
+        m[0] = mn
+    l[0] += tot
+
+
+cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
+    """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
+    m, l, acc of all heads."""
+    cdef Py_ssize_t Rp = P.rows, H = P.H_kv
+    return H * Rp * P.D + P.D * KT + KT * P.Dp + Rp * KT + H * (2 * Rp + Rp * P.Dp)
+
+
+cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
+                float* part_m, float* part_l, float* part_acc, float* buf) noexcept nogil:
+    """One work item (query block b, key split s): online softmax over its keys, for every kv head.
+
+    The kv-head loop sits inside the key-tile loop: one key's rows of all heads share a page (the
+    cache is (T, H_kv, D)), so the TLB misses of a tile are paid once, not once per head."""
+    cdef Py_ssize_t split = P.split, D = P.D, Dp = P.Dp, Rp = P.rows, group = P.group, H = P.H_kv
+    cdef Py_ssize_t s = item % split
+    cdef Py_ssize_t b = item // split
+    cdef Py_ssize_t t0 = b * P.qb_t
+    cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
+    cdef Py_ssize_t R = nt * group
+    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi, ldv, g_pf, j_pf, pf_per_block
+    cdef const float* vsrc
+    cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
+    cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
+    cdef float inv
+    cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head
+    cdef float* kt = qp + H * Rp * D     # (D, KT)
+    cdef float* vt = kt + D * KT         # (KT, Dp)
+    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities
+    cdef float* m                        # (H_kv, Rp) running max
+    cdef float* l                        # (H_kv, Rp) running sum
+    cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
+    cdef float* qg
+    cdef float* mg
+    cdef float* lg
+    cdef float* ag
+    if split == 1:                       # this thread's m, l, acc
+        m = sc + Rp * KT
+        l = m + H * Rp
+        acc = l + H * Rp
+    else:                                # the item's slots in the partials
+        m = part_m + item * H * Rp
+        l = part_l + item * H * Rp
+        acc = part_acc + item * H * Rp * Dp
+    for r in range(H * Rp):
+        m[r] = -INFINITY
+        l[r] = 0.0
+        for d in range(Dp):
+            acc[r * Dp + d] = 0.0
+        for d in range(D):
+            qp[r * D + d] = 0.0
+    for g in range(H):  # pack each kv head's group: query head g * group + r % group
+        for r in range(R):
+            t = t0 + r // group
+            h = g * group + r % group
+            for d in range(D):
+                qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+
+    for tile in range(s * n_tiles // split, (s + 1) * n_tiles // split):
+        j0 = lo_min + tile * KT
+        kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
+        for g in range(H):
+            qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
+            vsrc = _load_tile(P, g, j0, kn, kt, vt, &ldv)
+            # the next (head, tile) to load: spread its prefetch over this head's row blocks
+            g_pf, j_pf = g + 1, j0
+            if g + 1 == H:
+                g_pf, j_pf = 0, j0 + KT
+                if tile + 1 == (s + 1) * n_tiles // split:
+                    j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
+            pf_per_block = (KT + Rp // P.rb - 1) // (Rp // P.rb)
+            # per block of 4 query rows: S = Q K^T, masked online softmax, acc += P V (the
+            # block's scores stay in L1 between the three steps; kt and vt are streamed)
+            for r0 in range(Rp // P.rb):
+                if j_pf <= hi_max:
+                    _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
+                                   min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
+                for c0 in range(KT // DK_CB):
+                    dk_qk_block(P.rb, qg + r0 * P.rb * D, D, kt + c0 * DK_CB, KT, sc + r0 * P.rb * KT + c0 * DK_CB,
+                                KT)
+                for r in range(r0 * P.rb, r0 * P.rb + P.rb):
+                    if r < R:
+                        t = t0 + r // group
+                        c_lo = max(_lo(P, t) - j0, 0)
+                        c_hi = min(_hi(P, t) - j0, kn - 1)
+                    else:  # padding rows
+                        c_lo, c_hi = 1, 0
+                    _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
+                for c0 in range(Dp // DK_CB):
+                    dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
+                                ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+
+    if split == 1:
+        for g in range(H):
+            for r in range(R):
+                t = t0 + r // group
+                h = g * group + r % group
+                inv = 1.0 / l[g * Rp + r]
+                for d in range(D):
+                    out[(t * P.H_q + h) * D + d] = acc[(g * Rp + r) * Dp + d] * inv
+
+
+cdef void _merge(const Problem* P, Py_ssize_t unit, float* out, const float* part_m,
+                 const float* part_l, const float* part_acc) noexcept nogil:
+    """Combine the key splits of (query block, kv head) `unit` in split order."""
+    cdef Py_ssize_t split = P.split, Rp = P.rows, Dp = P.Dp, D = P.D, group = P.group, H = P.H_kv
+    cdef Py_ssize_t b = unit // H, g = unit % H
+    cdef Py_ssize_t t0 = b * P.qb_t, nt = min(P.qb_t, P.T_q - t0)
+    cdef Py_ssize_t r, s, d, t, h, i
+    cdef float mx, w, tot
+    cdef float* o
+    for r in range(nt * group):
+        t = t0 + r // group
+        h = g * group + r % group
+        o = out + (t * P.H_q + h) * D
+        mx = -INFINITY
+        for s in range(split):
+            i = ((b * split + s) * H + g) * Rp + r
+            if part_m[i] > mx:
+                mx = part_m[i]
+        for d in range(D):
+            o[d] = 0.0
+        tot = 0.0
+        for s in range(split):
+            i = ((b * split + s) * H + g) * Rp + r
+            if part_l[i] == 0.0:  # this split saw no key of the row
+                continue
+            w = dk_exp(part_m[i] - mx)
+            tot += w * part_l[i]
+            for d in range(D):
+                o[d] += w * part_acc[i * Dp + d]
+        w = 1.0 / tot
+        for d in range(D):
+            o[d] *= w
+
+
+cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_ssize_t T1, const void* k2,
+                        const void* v2, int bf2, Py_ssize_t T2, Py_ssize_t T_q, Py_ssize_t H_q,
+                        Py_ssize_t H_kv, Py_ssize_t D, Py_ssize_t q_off, Py_ssize_t window, int causal,
+                        float scale) noexcept nogil:
+    """Fill P: queries (T_q, H_q, D) at positions q_off.., keys [source 1 | source 2], each (T, H_kv, D)
+    float32 (bf = 0) or bf16 bits; window 0: none. The work split follows from the shape alone."""
+    P.k1, P.v1, P.k2, P.v2 = k1, v1, k2, v2
+    P.bf1, P.bf2 = bf1, bf2
+    P.T1, P.T2 = T1, T2
+    P.T_q, P.H_q, P.D = T_q, H_q, D
+    P.H_kv = H_kv
+    P.group = H_q // H_kv
+    P.Dp = (D + DK_CB - 1) // DK_CB * DK_CB
+    P.q_off = q_off
+    P.window = window
+    P.causal = causal
+    P.scale = scale
+    P.qb_t = max(1, QROWS // P.group)
+    P.n_qb = (T_q + P.qb_t - 1) // P.qb_t
+    P.rows = min(P.qb_t, T_q) * P.group
+    P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
+    P.rows = (P.rows + P.rb - 1) // P.rb * P.rb
+    P.split = 1
+    if P.n_qb < SPLIT_ITEMS:
+        P.split = max(1, min((SPLIT_ITEMS + P.n_qb - 1) // P.n_qb, (T1 + T2) // SPLIT_MIN_KEYS))
+
+
+cdef int _attend_run(const Problem* P, const float* q, float* out, int n_threads) noexcept nogil:
+    """out (T_q, H_q, D) = attention of q (T_q, H_q, D, contiguous) over P's keys; -1 when out of
+    memory (nothing written)."""
+    cdef Py_ssize_t n_items = P.n_qb * P.split, it, g
+    cdef Py_ssize_t n_part = n_items * P.H_kv * P.rows
+    cdef float* pm = NULL
+    cdef float* pl = NULL
+    cdef float* pacc = NULL
+    if P.split > 1:  # per-item partials (m, l, acc), merged in split order
+        pm = <float*>malloc(n_part * sizeof(float))
+        pl = <float*>malloc(n_part * sizeof(float))
+        pacc = <float*>malloc(n_part * P.Dp * sizeof(float))
+    cdef int nth = <int>min(<Py_ssize_t>max(1, n_threads), n_items)
+    cdef Py_ssize_t n_scratch = _scratch_size(P)
+    cdef float* sp = <float*>malloc(nth * n_scratch * sizeof(float))
+    cdef int* rem = <int*>malloc(P.n_qb * sizeof(int))  # unfinished splits per query block
+    if sp == NULL or rem == NULL or (P.split > 1 and (pm == NULL or pl == NULL or pacc == NULL)):
+        free(pm); free(pl); free(pacc); free(sp); free(rem)
+        return -1
+    for it in range(P.n_qb):
+        rem[it] = <int>P.split
+    for it in prange(n_items, num_threads=nth, schedule="dynamic"):
+        _item(P, q, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
+        if P.split > 1 and dk_finish_split(rem + it // P.split):
+            for g in range(P.H_kv):
+                _merge(P, (it // P.split) * P.H_kv + g, out, pm, pl, pacc)
+    free(pm); free(pl); free(pacc); free(sp); free(rem)
+    return 0

@@ -1,0 +1,161 @@
+/* Attention micro-kernels behind pyx/attention_core.pxi (attention.pyx and the fused layers of
+   dense.pyx): the exp, 4- and 8-row register blocks for S = Q K^T and acc += P V, the K-tile
+   transpose, and the split-merge counter. */
+#ifndef DK_ATTENTION_H
+#define DK_ATTENTION_H
+
+#include <Python.h>  /* Py_ssize_t */
+
+#include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
+
+/* Ask for a K or V row ahead of use (into L2): one kv head's rows are H_kv * D elements apart,
+   often a whole page, and hardware prefetchers do not follow strides across pages. */
+static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
+    for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 2);
+}
+
+/* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
+   (DK_RB rows x DK_NV vectors of DK_W floats) stay in registers: 8 x 2 vectors of 16 floats with
+   AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs), 4 x 2 of 8 with AVX2 (8 of 16
+   ymm; 6 rows were no faster). Items that pack <= 4 rows (decode) use 4-row blocks. A block covers DK_CB = DK_NV * DK_W keys (in S)
+   or head dims (in P V). */
+#if defined(__AVX512F__)
+#define DK_W 16
+#define DK_NV 2
+#ifndef DK_RB
+#define DK_RB 8
+#endif
+#else
+#define DK_W 8
+#define DK_NV 2
+#ifndef DK_RB
+#define DK_RB 4
+#endif
+#endif
+#define DK_CB (DK_NV * DK_W)
+typedef float dk_af __attribute__((vector_size(DK_W * 4), aligned(4)));
+#define DK_LD(p) (*(const dk_af*)(p))
+#define DK_ST(p, x) (*(dk_af*)(p) = (x))
+
+#define DK_AI static inline __attribute__((always_inline))
+/* s[0:rb, 0:CB] (row stride lds) = q[0:rb, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
+DK_AI void dk_qk_rows(const int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
+                      float* s, Py_ssize_t lds) {
+    dk_af a[DK_RB][DK_NV];
+    for (int i = 0; i < rb; i++)
+        for (int v = 0; v < DK_NV; v++) a[i][v] = (dk_af){0};
+    for (Py_ssize_t d = 0; d < D; d++) {
+        dk_af k[DK_NV];
+        for (int v = 0; v < DK_NV; v++) k[v] = DK_LD(kt + d * ldk + v * DK_W);
+        for (int i = 0; i < rb; i++) {
+            float qi = q[i * D + d];
+            for (int v = 0; v < DK_NV; v++) a[i][v] += qi * k[v];
+        }
+    }
+    for (int i = 0; i < rb; i++)
+        for (int v = 0; v < DK_NV; v++) DK_ST(s + i * lds + v * DK_W, a[i][v]);
+}
+
+/* acc[0:rb, 0:CB] (row stride lda) += p[0:rb, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
+DK_AI void dk_pv_rows(const int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+    dk_af a[DK_RB][DK_NV];
+    for (int i = 0; i < rb; i++)
+        for (int v = 0; v < DK_NV; v++) a[i][v] = DK_LD(acc + i * lda + v * DK_W);
+    for (Py_ssize_t c = 0; c < n; c++) {
+        dk_af x[DK_NV];
+        for (int v = 0; v < DK_NV; v++) x[v] = DK_LD(vm + c * ldv + v * DK_W);
+        for (int i = 0; i < rb; i++) {
+            float pi = p[i * ldp + c];
+            for (int v = 0; v < DK_NV; v++) a[i][v] += pi * x[v];
+        }
+    }
+    for (int i = 0; i < rb; i++)
+        for (int v = 0; v < DK_NV; v++) DK_ST(acc + i * lda + v * DK_W, a[i][v]);
+}
+
+/* Row blocks of 4 (DK_RB_SMALL) or DK_RB rows: a decode step's few packed rows (e.g. GQA group
+   2: 2 rows) would waste half of an 8-row block (1 query over 257 keys, 16/8 heads: 58 us with
+   4-row blocks, 71 with 8; 16 queries over 4096 keys, 32/8: 6.7 ms with 4, 5.6 with 8). */
+#define DK_RB_SMALL 4
+static void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
+                        float* s, Py_ssize_t lds) {
+    if (rb == DK_RB) dk_qk_rows(DK_RB, q, D, kt, ldk, s, lds);
+    else dk_qk_rows(DK_RB_SMALL, q, D, kt, ldk, s, lds);
+}
+static void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+    if (rb == DK_RB) dk_pv_rows(DK_RB, p, ldp, n, vm, ldv, acc, lda);
+    else dk_pv_rows(DK_RB_SMALL, p, ldp, n, vm, ldv, acc, lda);
+}
+
+/* One stored element (float32, or bf16 bits: exact upcast by << 16). */
+static inline float dk_get(const void* base, int bf16, Py_ssize_t i) {
+    if (bf16) {
+        union { unsigned int u; float f; } x;
+        x.u = (unsigned int)((const unsigned short*)base)[i] << 16;
+        return x.f;
+    }
+    return ((const float*)base)[i];
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i*)((const unsigned short*)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)base + i);
+}
+#endif
+
+/* kt[d * ldt + c] = element d of source row c (rows `stride` elements apart), c < n, d < D:
+   the K tile transposed (and upcast), in 8 x 8 register transposes where AVX2 allows. */
+static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                       float* kt, Py_ssize_t ldt) {
+    Py_ssize_t c = 0;
+#if defined(__AVX2__)
+    Py_ssize_t D8 = D / 8 * 8;
+    for (; c + 8 <= n; c += 8) {
+        for (Py_ssize_t d = 0; d < D8; d += 8) {
+            Py_ssize_t o = c * stride + d;
+            __m256 r0 = dk_ld8(base, bf16, o), r1 = dk_ld8(base, bf16, o + stride);
+            __m256 r2 = dk_ld8(base, bf16, o + 2 * stride), r3 = dk_ld8(base, bf16, o + 3 * stride);
+            __m256 r4 = dk_ld8(base, bf16, o + 4 * stride), r5 = dk_ld8(base, bf16, o + 5 * stride);
+            __m256 r6 = dk_ld8(base, bf16, o + 6 * stride), r7 = dk_ld8(base, bf16, o + 7 * stride);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+            __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+            __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float* dst = kt + d * ldt + c;
+            _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(dst + ldt, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(dst + 2 * ldt, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(dst + 3 * ldt, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(dst + 4 * ldt, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(dst + 5 * ldt, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(dst + 6 * ldt, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(dst + 7 * ldt, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+        for (Py_ssize_t d = D8; d < D; d++)
+            for (Py_ssize_t i = 0; i < 8; i++)
+                kt[d * ldt + c + i] = dk_get(base, bf16, (c + i) * stride + d);
+    }
+#endif
+    for (; c < n; c++)
+        for (Py_ssize_t d = 0; d < D; d++)
+            kt[d * ldt + c] = dk_get(base, bf16, c * stride + d);
+}
+
+/* The last of a query block's key splits to finish merges them (acq_rel: it sees the others'
+   partials), so one parallel region with a single barrier does the whole op. */
+static inline int dk_finish_split(int* remaining) {
+    return __atomic_sub_fetch(remaining, 1, __ATOMIC_ACQ_REL) == 0;
+}
+
+#endif /* DK_ATTENTION_H */

@@ -1,0 +1,136 @@
+"""Fused decoder layers (dflash_kernels/layers.py): a whole Qwen3 / Llama layer in one call.
+
+Included into dense.pyx, which owns linear's paths and their state (AMX on or off, whether
+vdpbf16ps pays), with the attention core (attention_core.pxi). The layer calls the same C functions
+as the single ops, in the same order and with the same work splits, so its output is bit-identical
+to composing rms_norm, linear, rope, cached_attention and silu_and_mul (the oracle in the tests).
+What it saves is everything between the kernels: per op, the Python wrapper, the memoryview
+acquisition and the output allocation (~5-15 us each, ~14 ops per layer); one malloc serves every
+intermediate of the layer.
+"""
+
+ctypedef fused ctype:  # KV cache storage
+    float
+    unsigned short  # bf16 bit patterns
+
+
+cdef inline unsigned short _to_bf16(float f) noexcept nogil:
+    """float32 -> bf16 bits, round to nearest even; NaN -> 0x7FC0 (as _tensors.f32_to_bf16)."""
+    cdef unsigned int u
+    memcpy(&u, &f, 4)
+    if f != f:
+        return 0x7FC0
+    return <unsigned short>((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const wtype[::1] w_qkv,
+                const float[::1] q_norm, const float[::1] k_norm, const wtype[::1] w_o, const float[::1] w_post,
+                const wtype[::1] w_gate_up, const wtype[::1] w_down, ctype[:, :, ::1] k_cache,
+                ctype[:, :, ::1] v_cache, *, int n_heads, int n_kv_heads, int head_dim, int intermediate,
+                float eps, double theta, const double[::1] inv_freq=None, Py_ssize_t window=0,
+                int n_threads, int parts=3, int finite_mask=15):
+    """x (T, H) <- the layer's output for the residual stream x at positions start..start+T-1.
+
+    Weights packed (linear_packed's layout): w_qkv [Wq; Wk; Wv] (q_dim + 2 kv_dim, H), w_o (H, q_dim),
+    w_gate_up [Wgate; Wup] (2 I, H), w_down (H, I); norms float32; q_norm / k_norm None for a Llama
+    layer. The layer's K (post k_norm and RoPE) and V rows are written into k_cache / v_cache
+    (max_len, H_kv, D) at start.., which then hold every earlier position; attention is causal over
+    them, within `window` positions when window > 0. finite_mask: bit i set when weight i (qkv, o,
+    gate_up, down) is finite (PackedWeight.finite). The caller validates shapes (layers.py)."""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = head_dim, Hq = n_heads, Hkv = n_kv_heads
+    cdef Py_ssize_t qd = Hq * D, kvd = Hkv * D, nqkv = qd + 2 * kvd, I = intermediate, half = D // 2
+    cdef Py_ssize_t end = start + T, t, r, hd, j
+    cdef int rc
+    cdef int bf16 = 0 if wtype is float else 1
+    cdef int kv_bf16 = 0 if ctype is float else 1
+    cdef bint qk = q_norm is not None
+    if T == 0:
+        return
+    if end > k_cache.shape[0]:
+        raise ValueError(f"qwen3_layer: rows {start}..{end - 1} do not fit the cache of {k_cache.shape[0]}")
+    # every intermediate in one block: h (norm outputs), qkv, q, k, attention out, x1 (residual after
+    # attention), gate_up, act, o / down outputs, RoPE table
+    cdef Py_ssize_t n_h = T * H, n_qkv = T * nqkv, n_q = T * qd, n_k = T * kvd, n_gu = T * 2 * I
+    cdef float *buf = <float *> malloc((4 * n_h + n_qkv + 2 * n_q + n_k + n_gu + T * I + 2 * T * half)
+                                       * sizeof(float))
+    if buf == NULL:
+        raise MemoryError()
+    cdef float *h = buf
+    cdef float *x1 = h + n_h
+    cdef float *ao = x1 + n_h
+    cdef float *mlp = ao + n_h
+    cdef float *qkv = mlp + n_h
+    cdef float *q = qkv + n_qkv
+    cdef float *att = q + n_q
+    cdef float *kb = att + n_q
+    cdef float *gu = kb + n_k
+    cdef float *act = gu + n_gu
+    cdef float *table = act + T * I
+    cdef long long *pos = <long long *> malloc(T * sizeof(long long))
+    if pos == NULL:
+        free(buf)
+        raise MemoryError()
+    cdef float *xp = &x[0, 0]
+    cdef const float *qn = &q_norm[0] if qk else NULL
+    cdef const float *kn = &k_norm[0] if qk else NULL
+    cdef const float *nw
+    cdef float *dst
+    cdef const float *src
+    cdef ctype *kc = &k_cache[start, 0, 0]
+    cdef ctype *vc = &v_cache[start, 0, 0]
+    cdef int nt_h = _threads(n_h, PARALLEL_ELEMS, n_threads)
+    cdef int nt_qk = _threads(T * (qd + kvd), PARALLEL_ELEMS, n_threads)
+    cdef int nt_i = _threads(T * I, PARALLEL_ELEMS, n_threads)
+    cdef Problem P
+    try:
+        for t in range(T):
+            pos[t] = start + t
+        with nogil:
+            _rope_table(pos, T, half, <int> D, theta, &inv_freq[0] if inv_freq is not None else NULL, table)
+        for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
+            dk_rms_norm_row(xp + t * H, NULL, &w_in[0], 0.0, eps, H, h + t * H, NULL)
+        _linear_packed_run(h, T, H, nqkv, &w_qkv[0], bf16, NULL, qkv, n_threads, parts, finite_mask & 1)
+        # per head of q and k: q_norm / k_norm (a Llama layer copies), then RoPE in place
+        for r in prange(T * (Hq + Hkv), nogil=True, num_threads=nt_qk, schedule="static"):
+            t = r // (Hq + Hkv)
+            hd = r % (Hq + Hkv)
+            src = qkv + t * nqkv + hd * D  # q heads, then k heads, side by side in a qkv row
+            if hd < Hq:
+                dst = q + (t * Hq + hd) * D
+                nw = qn
+            else:
+                dst = kb + (t * Hkv + hd - Hq) * D
+                nw = kn
+            if qk:
+                dk_rms_norm_row(src, NULL, nw, 0.0, eps, D, dst, NULL)
+            else:
+                memcpy(dst, src, D * sizeof(float))
+            dk_rope_row(dst, table + 2 * t * half, table + (2 * t + 1) * half, half, D, dst)
+        with nogil:
+            for t in range(T):
+                src = qkv + t * nqkv + qd + kvd
+                if kv_bf16:
+                    for j in range(kvd):
+                        (<unsigned short *> kc)[t * kvd + j] = _to_bf16(kb[t * kvd + j])
+                        (<unsigned short *> vc)[t * kvd + j] = _to_bf16(src[j])
+                else:
+                    memcpy(<float *> kc + t * kvd, kb + t * kvd, kvd * sizeof(float))
+                    memcpy(<float *> vc + t * kvd, src, kvd * sizeof(float))
+            _problem_init(&P, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_bf16, end, &k_cache[0, 0, 0],
+                          &v_cache[0, 0, 0], kv_bf16, 0, T, Hq, Hkv, D, start, window, 1, <float> (D ** -0.5))
+            rc = _attend_run(&P, q, att, n_threads)
+        if rc:
+            raise MemoryError()
+        _linear_packed_run(att, T, qd, H, &w_o[0], bf16, NULL, ao, n_threads, parts, finite_mask & 2)
+        for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
+            dk_rms_norm_row(ao + t * H, xp + t * H, &w_post[0], 0.0, eps, H, h + t * H, x1 + t * H)
+        _linear_packed_run(h, T, H, 2 * I, &w_gate_up[0], bf16, NULL, gu, n_threads, parts, finite_mask & 4)
+        for t in prange(T, nogil=True, num_threads=nt_i, schedule="static"):
+            dk_silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I)
+        _linear_packed_run(act, T, I, H, &w_down[0], bf16, NULL, mlp, n_threads, parts, finite_mask & 8)
+        for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
+            for j in range(H):
+                xp[t * H + j] = mlp[t * H + j] + x1[t * H + j]
+    finally:
+        free(buf)
+        free(pos)
