@@ -2,11 +2,12 @@
 
 One process, one loaded model; the two paths alternate (the model's ``fused_layers`` switch), so
 the machine's noise hits both alike. Decode (1 row), verification (16 rows) and a 64-row prefill
-chunk after a 64-token prompt; medians over the repeats, and a check that both paths give the
-same hidden states bit for bit.
+chunk after a 64-token prompt, and with --drafter the drafter's 16-row block over that context;
+medians over the repeats, and a check that both paths give the same hidden states bit for bit.
 
-    python bench/fused_layers.py --target model/default/target --threads 2
-    python bench/fused_layers.py --target ~/.cache/dflash_kernels/SmolLM2-135M-Instruct.Q4_1.gguf
+    python bench/fused_layers.py --target model/default/target --drafter model/default/drafter
+    python bench/fused_layers.py --target ~/.cache/dflash_kernels/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --drafter model/default/smollm2-drafter
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ def _time(t, cache, rows: int, steps: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="model/default/target", help="checkpoint directory or .gguf file")
+    ap.add_argument("--drafter", default=None, help="DFlash drafter directory (times its block forward too)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="forwards per timing")
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
-    t = load(a.target, None, n_threads=a.threads).target
+    eng = load(a.target, a.drafter, n_threads=a.threads)
+    t, d = eng.target, eng.drafter
     if not t.fused_layers:
         raise SystemExit("this backend has no fused layers (they are Cython's)")
     cache = t.new_cache(64 + a.steps + 64 + 1)
-    t.prefill(list(range(1, 65)), cache)
+    taps = t.forward(list(range(1, 65)), cache)[1]
     for rows in (1, 16, 64):
         res = {True: [], False: []}
         for _ in range(a.repeats):
@@ -54,9 +57,29 @@ def main(argv=None) -> None:
             cache.truncate(64)
             outs.append(t.forward(np.arange(rows) + 7, cache)[0])
         t.fused_layers = True
-        f, c = np.median(res[True]) * 1e3, np.median(res[False]) * 1e3
-        same = "identical" if np.array_equal(outs[0], outs[1]) else "DIFFERENT"
-        print(f"{rows:3d} rows: fused {f:8.3f} ms  composed {c:8.3f} ms  {c / f:5.2f}x  (hidden states {same})")
+        _report(f"target, {rows:3d} rows", res, outs)
+    if d is not None:
+        dc = d.new_cache(64 + 16)
+        d.add_context(taps, dc)
+        res = {True: [], False: []}
+        for _ in range(a.repeats):
+            for fused in (True, False):
+                d.fused_layers = fused
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    d.block_hidden(7, 15, dc)
+                res[fused].append((time.perf_counter() - t0) / a.steps)
+        outs = []
+        for fused in (True, False):
+            d.fused_layers = fused
+            outs.append(d.block_hidden(7, 15, dc))
+        _report("drafter block, 16 rows", res, outs)
+
+
+def _report(what: str, res: dict, outs: list) -> None:
+    f, c = np.median(res[True]) * 1e3, np.median(res[False]) * 1e3
+    same = "identical" if np.array_equal(outs[0], outs[1]) else "DIFFERENT"
+    print(f"{what}: fused {f:8.3f} ms  composed {c:8.3f} ms  {c / f:5.2f}x  (hidden states {same})")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from .dense import (
     rope_inv_freq,
     silu_and_mul,
 )
-from .layers import Qwen3Layer, prepare_qwen3_layer, qwen3_layer
+from .layers import Qwen3Layer, drafter_layer, prepare_qwen3_layer, qwen3_layer
 from .linear_attention import (
     apply_output_gate,
     causal_conv1d,
@@ -75,6 +75,7 @@ __all__ = [
     "Qwen3Layer",
     "prepare_qwen3_layer",
     "qwen3_layer",
+    "drafter_layer",
     "make_draft_block",
     "rejection_sample",
     "rms_norm",

@@ -1,4 +1,5 @@
-"""Fused decoder layers: a whole Qwen3 (or Llama) target layer in one kernel call.
+"""Fused decoder layers: a whole Qwen3 (or Llama) target layer, or a DFlash drafter layer, in one
+kernel call.
 
 A decoder layer is ~14 kernel calls (norms, the stacked QKV projection, q/k norms, RoPE, the cache
 append, attention, the output projection, the residual adds and the SwiGLU MLP). For a small model,
@@ -7,6 +8,9 @@ output allocation) is a large share of the step: ~20% on SmolLM2-135M, most of i
 4M-parameter pair. ``qwen3_layer`` runs the same kernels in the same order from one compiled
 function (pyx/layers.pxi), so its output is bit-identical to the composition of the single ops,
 which is its oracle (``compose_qwen3_layer``) and what other backends run.
+
+A DFlash drafter layer is the same layer with another attention (``drafter_layer``): the block's
+queries see the injected context K/V and the block's own K/V, which are not stored.
 
 Weights are prepared once (``prepare_qwen3_layer``): [Wq; Wk; Wv] and [Wgate; Wup] stacked, every
 matmul weight in linear's fastest layout (``prepare_weight``), the norms in float32.
@@ -22,7 +26,7 @@ from ._backends import resolve
 from ._precision import check_precision, get_matmul_precision, parts as precision_parts
 from ._tensors import Array, any_torch, f32_array, f32_to_bf16, float_array, wrap, _numpy_view
 from ._threads import resolve_threads
-from .attention import cached_attention
+from .attention import cached_attention, injected_kv_attention
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
 
 _MATMULS = ("w_qkv", "w_o", "w_gate_up", "w_down")
@@ -35,18 +39,21 @@ class Qwen3Layer:
     [Wq; Wk; Wv], ``w_o`` (H, q_dim), ``w_gate_up`` (2 I, H) = [Wgate; Wup], ``w_down`` (H, I), each a
     ``PackedWeight`` (Cython) or a float32 / bf16 array; ``q_norm``, ``k_norm`` (D,) float32, or None
     for a Llama layer; the head counts, ``head_dim``, ``eps``, ``rope_theta``, ``inv_freq`` (float64
-    (D/2,) scaled-RoPE frequencies, or None) and ``window`` (sliding window, or None).
+    (D/2,) scaled-RoPE frequencies, or None), ``window`` (sliding window, or None) and ``causal``
+    (a drafter layer's block attention: whether a row sees the rows after it; targets are causal).
     """
 
     __slots__ = ("w_in", "w_qkv", "q_norm", "k_norm", "w_o", "w_post", "w_gate_up", "w_down", "window",
-                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq")
+                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal")
 
     def __init__(self, *, w_in, w_qkv, q_norm, k_norm, w_o, w_post, w_gate_up, w_down, num_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None):
+                 num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None,
+                 causal: bool = True):
         self.w_in, self.w_qkv, self.q_norm, self.k_norm = w_in, w_qkv, q_norm, k_norm
         self.w_o, self.w_post, self.w_gate_up, self.w_down = w_o, w_post, w_gate_up, w_down
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.rope_theta, self.inv_freq, self.window = eps, rope_theta, inv_freq, window
+        self.causal = causal
 
     @property
     def hidden_size(self) -> int:
@@ -80,7 +87,7 @@ def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray
 def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: int, num_key_value_heads: int,
                         head_dim: int, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
                         rope_inv_freq: Array | None = None, sliding_window: int | None = None, prefix: str = "",
-                        backend: str = "auto") -> Qwen3Layer:
+                        causal: bool = True, backend: str = "auto") -> Qwen3Layer:
     """Prepare one layer from its Hugging Face tensors (names as in a Qwen3 / Llama checkpoint, after
     ``prefix``, e.g. "model.layers.3."): ``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``,
     ``self_attn.{q,k}_norm.weight`` (Qwen3; both absent for Llama), ``post_attention_layernorm.weight``,
@@ -89,7 +96,9 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     num_attention_heads, num_key_value_heads, head_dim: the attention shape (GQA: the first a
     multiple of the second; head_dim even). rms_norm_eps, rope_theta: the config's. rope_inv_freq:
     scaled-RoPE frequencies (``rope_inv_freq``), else rope_theta's. sliding_window: the layer's
-    window, or None. backend: the one ``qwen3_layer`` will run on (packing is for Cython).
+    window, or None. causal: for ``drafter_layer``, whether a block row sees the rows after it
+    (DFlash drafters: False; their config's ``causal``). backend: the one the layer will run on
+    (packing is for Cython).
     Errors name the tensor."""
     for key, v in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads),
                    ("head_dim", head_dim)):
@@ -133,7 +142,8 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
         w_in=w_in, w_qkv=prep(np.concatenate([wq, wk, wv])), q_norm=qn, k_norm=kn, w_o=prep(wo), w_post=w_post,
         w_gate_up=prep(np.concatenate([wg, wu])), w_down=prep(wd), num_heads=int(num_attention_heads),
         num_kv_heads=int(num_key_value_heads), head_dim=int(head_dim), eps=float(rms_norm_eps),
-        rope_theta=float(rope_theta), inv_freq=freq, window=None if sliding_window is None else int(sliding_window))
+        rope_theta=float(rope_theta), inv_freq=freq, window=None if sliding_window is None else int(sliding_window),
+        causal=bool(causal))
 
 
 def _hidden(weights: Mapping, prefix: str) -> int:
@@ -146,13 +156,14 @@ def _hidden(weights: Mapping, prefix: str) -> int:
     return shape[0]
 
 
-def _cache(c, name: str, min_len: int, n_kv: int, d: int) -> np.ndarray:
+def _cache(c, name: str, min_len: int, n_kv: int, d: int, writable: bool = True) -> np.ndarray:
     float_array(c, name, ndim=3)  # dtype and rank
     arr = _numpy_view(c, name)
-    if not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise ValueError(f"{name} must be C-contiguous and writable: the layer writes its new rows into it")
+    if not arr.flags.c_contiguous or (writable and not arr.flags.writeable):
+        need = "C-contiguous and writable: the layer writes its new rows into it" if writable else "C-contiguous"
+        raise ValueError(f"{name} must be {need}")
     if arr.shape[1:] != (n_kv, d):
-        raise ValueError(f"{name} must have shape (max_len, {n_kv}, {d}), got {arr.shape}")
+        raise ValueError(f"{name} must have shape ({'max_len' if writable else 'T_ctx'}, {n_kv}, {d}), got {arr.shape}")
     if arr.shape[0] < min_len:
         raise ValueError(f"{name} holds {arr.shape[0]} positions; the layer writes up to position {min_len - 1}")
     return arr
@@ -169,41 +180,98 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
     precision: as ``linear`` (None: the process default). On the Cython backend with packed weights
     this is one compiled call; otherwise the composition of the single ops (``compose_qwen3_layer``).
     """
+    xa, kc, vc = _check(x, layer, k_cache, v_cache, "k_cache", "v_cache", start)
+    return _run(x, xa, layer, kc, vc, int(start), True, precision, n_threads, backend)
+
+
+def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, precision: str | None = None,
+                  n_threads: int | None = None, backend: str = "auto") -> Array:
+    """A DFlash drafter layer over rows x (T, H) of the block's residual stream, at positions
+    T_ctx..T_ctx+T-1 after the injected context.
+
+    k_ctx, v_ctx: (T_ctx, H_kv, D) float32 or bf16, the context's K (after k_norm and RoPE) and V,
+    read only. The block's queries see the context and the block's own K/V (every block row, or
+    the rows up to their own with ``layer.causal``; within ``layer.window``), as
+    ``injected_kv_attention``. Returns (T, H) float32. precision: as ``linear``. One compiled call
+    on the Cython backend with packed weights, else ``compose_drafter_layer``.
+    """
+    xa, kc, vc = _check(x, layer, k_ctx, v_ctx, "k_ctx", "v_ctx", None)
+    return _run(x, xa, layer, kc, vc, kc.shape[0], False, precision, n_threads, backend)
+
+
+def _check(x, layer, k, v, k_name: str, v_name: str, start):
+    """Validated (x, k, v) numpy arrays; start None: a drafter layer's read-only context."""
     if not isinstance(layer, Qwen3Layer):
         raise TypeError(f"layer must be a Qwen3Layer (prepare_qwen3_layer), got {type(layer).__name__}")
     xa = f32_array(x, "x", ndim=2)
     if xa.shape[1] != layer.hidden_size:
         raise ValueError(f"x must have shape (T, {layer.hidden_size}), got {xa.shape}")
-    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+    writable = start is not None
+    if writable and (isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0):
         raise ValueError(f"start must be an int >= 0, got {start!r}")
-    T = xa.shape[0]
-    kc = _cache(k_cache, "k_cache", start + T, layer.num_kv_heads, layer.head_dim)
-    vc = _cache(v_cache, "v_cache", start + T, layer.num_kv_heads, layer.head_dim)
+    min_len = start + xa.shape[0] if writable else 0
+    kc = _cache(k, k_name, min_len, layer.num_kv_heads, layer.head_dim, writable)
+    vc = _cache(v, v_name, min_len, layer.num_kv_heads, layer.head_dim, writable)
     if kc.shape != vc.shape or kc.dtype != vc.dtype:
-        raise ValueError(f"k_cache and v_cache must match, got {kc.shape} {kc.dtype} and {vc.shape} {vc.dtype}")
+        raise ValueError(f"{k_name} and {v_name} must match, got {kc.shape} {kc.dtype} and {vc.shape} {vc.dtype}")
+    return xa, kc, vc
+
+
+def _run(x, xa, layer, kc, vc, start: int, append: bool, precision, n_threads, backend):
     prec = check_precision(precision) if precision is not None else get_matmul_precision()
     name, module = resolve(backend, "dense")
     out = xa.copy()
-    if T:
+    if out.shape[0]:
         if name == "cython" and layer.fused:
-            run_qwen3_layer(module, out, layer, kc, vc, int(start), precision_parts(prec), resolve_threads(n_threads))
-        else:
-            out = compose_qwen3_layer(out, layer, kc, vc, int(start), precision=prec, n_threads=n_threads,
+            run_qwen3_layer(module, out, layer, kc, vc, start, precision_parts(prec), resolve_threads(n_threads),
+                            append=append)
+        elif append:
+            out = compose_qwen3_layer(out, layer, kc, vc, start, precision=prec, n_threads=n_threads,
                                       backend=backend)
+        else:
+            out = compose_drafter_layer(out, layer, kc, vc, precision=prec, n_threads=n_threads, backend=backend)
     return wrap(out, any_torch(x))
 
 
 def run_qwen3_layer(module, x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
-                    parts: int, n_threads: int) -> None:
+                    parts: int, n_threads: int, append: bool = True) -> None:
     """The compiled layer, no checks: x (T, H) float32 C-contiguous, updated in place (the model
-    layer's fast path; ``qwen3_layer`` validates first)."""
+    layer's fast path; ``qwen3_layer`` / ``drafter_layer`` validate first). append=False: a drafter
+    layer over the context rows 0..start-1 of the caches."""
     finite = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(layer, n).finite)
     module.qwen3_layer(
         x, start, layer.w_in, layer.w_qkv.data, layer.q_norm, layer.k_norm, layer.w_o.data, layer.w_post,
         layer.w_gate_up.data, layer.w_down.data, k_cache, v_cache, n_heads=layer.num_heads,
         n_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, intermediate=layer.intermediate_size,
         eps=layer.eps, theta=layer.rope_theta, inv_freq=layer.inv_freq, window=layer.window or 0,
-        n_threads=n_threads, parts=parts, finite_mask=finite)
+        n_threads=n_threads, parts=parts, finite_mask=finite, append=append, causal=layer.causal)
+
+
+def _project(x, layer, start, precision, kw):
+    """h, q, k (after the q/k norms and RoPE), v of rows x at positions start.."""
+    T, D = x.shape[0], layer.head_dim
+    qd, kvd = layer.num_heads * D, layer.num_kv_heads * D
+    h = rms_norm(x, layer.w_in, layer.eps, **kw)
+    qkv = linear(h, layer.w_qkv, precision=precision, **kw)
+    q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, layer.num_heads, D)
+    k = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, layer.num_kv_heads, D)
+    v = np.ascontiguousarray(qkv[:, qd + kvd:]).reshape(T, layer.num_kv_heads, D)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, layer.eps, **kw)
+        k = rms_norm(k, layer.k_norm, layer.eps, **kw)
+    pos = np.arange(start, start + T, dtype=np.int64)
+    q = apply_rope(q, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
+    k = apply_rope(k, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
+    return q, k, v
+
+
+def _finish(x, o, layer, precision, kw):
+    """x + o_proj(o) + MLP(norm(...)): the layer's second half."""
+    h, x1 = rms_norm(linear(o.reshape(x.shape[0], -1), layer.w_o, precision=precision, **kw), layer.w_post,
+                     layer.eps, residual=x, **kw)
+    mlp = linear(silu_and_mul(linear(h, layer.w_gate_up, precision=precision, **kw), **kw), layer.w_down,
+                 precision=precision, **kw)
+    return mlp + x1
 
 
 def compose_qwen3_layer(x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v_cache: np.ndarray, start: int, *,
@@ -211,26 +279,20 @@ def compose_qwen3_layer(x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v
                         backend: str = "auto") -> np.ndarray:
     """``qwen3_layer`` as the composition of the single ops (the fused kernel's oracle; the path of
     the other backends). Same arguments, validated by the caller; returns (T, H) float32."""
-    T, D = x.shape[0], layer.head_dim
-    qd, kvd = layer.num_heads * D, layer.num_kv_heads * D
-    kw = dict(n_threads=n_threads, backend=backend)
-    h = rms_norm(x, layer.w_in, layer.eps, **kw)
-    qkv = linear(h, layer.w_qkv, precision=precision, **kw)
-    q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, layer.num_heads, D)
-    k = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, layer.num_kv_heads, D)
-    v = qkv[:, qd + kvd:].reshape(T, layer.num_kv_heads, D)
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, layer.eps, **kw)
-        k = rms_norm(k, layer.k_norm, layer.eps, **kw)
-    pos = np.arange(start, start + T, dtype=np.int64)
-    q = apply_rope(q, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
-    k = apply_rope(k, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
+    T, kw = x.shape[0], dict(n_threads=n_threads, backend=backend)
+    q, k, v = _project(x, layer, start, precision, kw)
     bf16 = k_cache.dtype == np.uint16
     k_cache[start:start + T] = f32_to_bf16(k) if bf16 else k
     v_cache[start:start + T] = f32_to_bf16(v) if bf16 else v
     o = cached_attention(q, k_cache[:start + T], v_cache[:start + T], causal=True, window=layer.window, **kw)
-    h, x1 = rms_norm(linear(o.reshape(T, qd), layer.w_o, precision=precision, **kw), layer.w_post, layer.eps,
-                     residual=x, **kw)
-    mlp = linear(silu_and_mul(linear(h, layer.w_gate_up, precision=precision, **kw), **kw), layer.w_down,
-                 precision=precision, **kw)
-    return mlp + x1
+    return _finish(x, o, layer, precision, kw)
+
+
+def compose_drafter_layer(x: np.ndarray, layer: Qwen3Layer, k_ctx: np.ndarray, v_ctx: np.ndarray, *,
+                          precision: str | None = None, n_threads: int | None = None,
+                          backend: str = "auto") -> np.ndarray:
+    """``drafter_layer`` as the composition of the single ops (its oracle; the other backends' path)."""
+    kw = dict(n_threads=n_threads, backend=backend)
+    q, k, v = _project(x, layer, k_ctx.shape[0], precision, kw)
+    o = injected_kv_attention(q, k_ctx, v_ctx, k, v, causal_block=layer.causal, window=layer.window, **kw)
+    return _finish(x, o, layer, precision, kw)

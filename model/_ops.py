@@ -6,6 +6,7 @@ overhead of a round (round time minus kernel time). The clock costs ~0.1 us per 
 
 from __future__ import annotations
 
+import os
 from time import perf_counter
 
 import numpy as np
@@ -67,8 +68,9 @@ class Ops:
         # on avx512_bf16; inside a Qwen3-1.7B-shape verification on avx512, with the memory-mapped
         # head, 373 ms through denoise_block), and the (rows, V) float32 logits are small
         self.block_head_linear = name == "cython"
-        # whole decoder layers in one compiled call (dflash_kernels/layers.py) where the Cython kernels run
-        self.fused_layers = self._linear_packed is not None
+        # whole decoder layers in one compiled call (dflash_kernels/layers.py) where the Cython kernels
+        # run; DFLASH_FUSED_LAYERS=0 composes the single ops instead (benchmarks: the same bits, slower)
+        self.fused_layers = self._linear_packed is not None and os.environ.get("DFLASH_FUSED_LAYERS", "1") != "0"
 
     def prepare(self, w):
         """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: a packed copy where
@@ -116,6 +118,13 @@ class Ops:
         go into k_cache / v_cache (max_len, H_kv, D) at start.."""
         t = perf_counter()
         run_qwen3_layer(self._dense, x, layer, k_cache, v_cache, start, self._parts, self._n)
+        self.kernel_s += perf_counter() - t
+
+    def drafter_layer(self, x, layer, k_ctx, v_ctx, n_ctx):
+        """x (T, H) <- a DFlash drafter layer(x) in place, one compiled call: the block over the context
+        K/V rows 0..n_ctx-1 of k_ctx / v_ctx (max_len, H_kv, D) and its own K/V (not stored)."""
+        t = perf_counter()
+        run_qwen3_layer(self._dense, x, layer, k_ctx, v_ctx, n_ctx, self._parts, self._n, append=False)
         self.kernel_s += perf_counter() - t
 
     def rms_norm(self, x, w, eps, offset=0.0):

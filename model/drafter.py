@@ -9,9 +9,9 @@ rejection needs no drafter rollback). Embeddings and lm_head are the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+from dflash_kernels.layers import Qwen3Layer
 
 from ._ops import Ops
 from .config import DFlashConfig
@@ -30,20 +30,6 @@ def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tup
     for i in range(cfg.num_hidden_layers):
         shapes.update(qwen3_layer_shapes(f"layers.{i}.", cfg))
     return shapes
-
-
-@dataclass
-class _DraftLayer:
-    w_in: np.ndarray  # (H,) f32
-    w_qkv: np.ndarray | tuple  # (q_dim + 2 kv_dim, H) [Wq; Wk; Wv] of the block rows (tuple: unfused)
-    q_norm: np.ndarray
-    k_norm: np.ndarray
-    w_o: np.ndarray
-    w_post: np.ndarray
-    w_gate_up: np.ndarray  # (2I, H)
-    w_down: np.ndarray
-    causal: bool
-    window: int | None
 
 
 class ContextCache:
@@ -87,7 +73,7 @@ class DFlashDrafter:
             a, m = p + "self_attn.", p + "mlp."
             wk, wv = t[a + "k_proj.weight"], t[a + "v_proj.weight"]
             kv_rows += [wk, wv]
-            self.layers.append(_DraftLayer(
+            self.layers.append(Qwen3Layer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
                 w_qkv=prep(concat_rows(t[a + "q_proj.weight"], wk, wv, fuse=fuse)),
                 q_norm=as_f32(t[a + "q_norm.weight"]),
@@ -96,11 +82,14 @@ class DFlashDrafter:
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
                 w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
                 w_down=prep(t[m + "down_proj.weight"]),
-                causal=cfg.causal[i],
-                window=cfg.window(i),
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, inv_freq=cfg.rope_inv_freq,
+                window=cfg.window(i), causal=cfg.causal[i],
             ))
         # Context rows are never queried: one GEMM gives every layer's K and V.
         self.w_kv_all = prep(concat_rows(*kv_rows))  # (layers * 2 kv_dim, H) [Wk_0; Wv_0; Wk_1; ...]
+        # one compiled call per block layer where the weights are packed (as Qwen3Model.fused_layers)
+        self.fused_layers = self.ops.fused_layers and all(L.fused for L in self.layers)
 
     def new_cache(self, max_len: int) -> ContextCache:
         c = self.cfg
@@ -137,6 +126,10 @@ class DFlashDrafter:
         x = np.empty((B, c.hidden_size), np.float32)  # (B, H) block residual stream
         x[0] = as_f32(self.embed[anchor])
         x[1:] = self.mask_embedding
+        if self.fused_layers:
+            for li, L in enumerate(self.layers):
+                ops.drafter_layer(x, L, cache.k[li], cache.v[li], start)
+            return ops.rms_norm(x, self.norm, eps)
         delta = None  # (B, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
             if delta is None:

@@ -1,4 +1,5 @@
-"""Fused decoder layers (dflash_kernels/layers.py): a whole Qwen3 / Llama layer in one call.
+"""Fused decoder layers (dflash_kernels/layers.py): a whole Qwen3 / Llama target layer, or a DFlash
+drafter layer, in one call.
 
 Included into dense.pyx, which owns linear's paths and their state (AMX on or off, whether
 vdpbf16ps pays), with the attention core (attention_core.pxi). The layer calls the same C functions
@@ -25,18 +26,21 @@ cdef inline unsigned short _to_bf16(float f) noexcept nogil:
 
 def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const wtype[::1] w_qkv,
                 const float[::1] q_norm, const float[::1] k_norm, const wtype[::1] w_o, const float[::1] w_post,
-                const wtype[::1] w_gate_up, const wtype[::1] w_down, ctype[:, :, ::1] k_cache,
-                ctype[:, :, ::1] v_cache, *, int n_heads, int n_kv_heads, int head_dim, int intermediate,
+                const wtype[::1] w_gate_up, const wtype[::1] w_down, const ctype[:, :, ::1] k_cache,
+                const ctype[:, :, ::1] v_cache, *, int n_heads, int n_kv_heads, int head_dim, int intermediate,
                 float eps, double theta, const double[::1] inv_freq=None, Py_ssize_t window=0,
-                int n_threads, int parts=3, int finite_mask=15):
+                int n_threads, int parts=3, int finite_mask=15, bint append=True, bint causal=True):
     """x (T, H) <- the layer's output for the residual stream x at positions start..start+T-1.
 
     Weights packed (linear_packed's layout): w_qkv [Wq; Wk; Wv] (q_dim + 2 kv_dim, H), w_o (H, q_dim),
     w_gate_up [Wgate; Wup] (2 I, H), w_down (H, I); norms float32; q_norm / k_norm None for a Llama
-    layer. The layer's K (post k_norm and RoPE) and V rows are written into k_cache / v_cache
-    (max_len, H_kv, D) at start.., which then hold every earlier position; attention is causal over
-    them, within `window` positions when window > 0. finite_mask: bit i set when weight i (qkv, o,
-    gate_up, down) is finite (PackedWeight.finite). The caller validates shapes (layers.py)."""
+    layer. append (a target layer): the rows' K (post k_norm and RoPE) and V are written into
+    k_cache / v_cache (max_len, H_kv, D) at start.., which hold every earlier position, and attention
+    is causal over positions 0..start+T-1. append=False (a DFlash drafter layer): rows 0..start-1 of
+    the caches are the injected context, the rows' own K/V are attended to but not stored, and
+    `causal` says whether a row sees the rows after it. window > 0: only the last `window` positions.
+    finite_mask: bit i set when weight i (qkv, o, gate_up, down) is finite (PackedWeight.finite).
+    The caller validates shapes (layers.py)."""
     cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = head_dim, Hq = n_heads, Hkv = n_kv_heads
     cdef Py_ssize_t qd = Hq * D, kvd = Hkv * D, nqkv = qd + 2 * kvd, I = intermediate, half = D // 2
     cdef Py_ssize_t end = start + T, t, r, hd, j
@@ -46,12 +50,13 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef bint qk = q_norm is not None
     if T == 0:
         return
-    if end > k_cache.shape[0]:
-        raise ValueError(f"qwen3_layer: rows {start}..{end - 1} do not fit the cache of {k_cache.shape[0]}")
-    # every intermediate in one block: h (norm outputs), qkv, q, k, attention out, x1 (residual after
-    # attention), gate_up, act, o / down outputs, RoPE table
+    if (end if append else start) > k_cache.shape[0]:
+        raise ValueError(f"qwen3_layer: positions up to {end if append else start} do not fit the cache of "
+                         f"{k_cache.shape[0]}")
+    # every intermediate in one block: h (norm outputs), qkv, q, k, v (a drafter block's), attention
+    # out, x1 (residual after attention), gate_up, act, o / down outputs, RoPE table
     cdef Py_ssize_t n_h = T * H, n_qkv = T * nqkv, n_q = T * qd, n_k = T * kvd, n_gu = T * 2 * I
-    cdef float *buf = <float *> malloc((4 * n_h + n_qkv + 2 * n_q + n_k + n_gu + T * I + 2 * T * half)
+    cdef float *buf = <float *> malloc((4 * n_h + n_qkv + 2 * n_q + 2 * n_k + n_gu + T * I + 2 * T * half)
                                        * sizeof(float))
     if buf == NULL:
         raise MemoryError()
@@ -63,7 +68,8 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef float *q = qkv + n_qkv
     cdef float *att = q + n_q
     cdef float *kb = att + n_q
-    cdef float *gu = kb + n_k
+    cdef float *vb = kb + n_k
+    cdef float *gu = vb + n_k
     cdef float *act = gu + n_gu
     cdef float *table = act + T * I
     cdef long long *pos = <long long *> malloc(T * sizeof(long long))
@@ -76,8 +82,10 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef const float *nw
     cdef float *dst
     cdef const float *src
-    cdef ctype *kc = &k_cache[start, 0, 0]
-    cdef ctype *vc = &v_cache[start, 0, 0]
+    # (const views so that a drafter's read-only context is accepted; append writes only where the
+    # caller checked the cache writable)
+    cdef ctype *kc = <ctype *> &k_cache[0, 0, 0]
+    cdef ctype *vc = <ctype *> &v_cache[0, 0, 0]
     cdef int nt_h = _threads(n_h, PARALLEL_ELEMS, n_threads)
     cdef int nt_qk = _threads(T * (qd + kvd), PARALLEL_ELEMS, n_threads)
     cdef int nt_i = _threads(T * I, PARALLEL_ELEMS, n_threads)
@@ -109,15 +117,21 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
         with nogil:
             for t in range(T):
                 src = qkv + t * nqkv + qd + kvd
-                if kv_bf16:
+                if not append:  # the block's own K/V: attention's second source, never stored
+                    memcpy(vb + t * kvd, src, kvd * sizeof(float))
+                elif kv_bf16:
                     for j in range(kvd):
-                        (<unsigned short *> kc)[t * kvd + j] = _to_bf16(kb[t * kvd + j])
-                        (<unsigned short *> vc)[t * kvd + j] = _to_bf16(src[j])
+                        (<unsigned short *> kc)[(start + t) * kvd + j] = _to_bf16(kb[t * kvd + j])
+                        (<unsigned short *> vc)[(start + t) * kvd + j] = _to_bf16(src[j])
                 else:
-                    memcpy(<float *> kc + t * kvd, kb + t * kvd, kvd * sizeof(float))
-                    memcpy(<float *> vc + t * kvd, src, kvd * sizeof(float))
-            _problem_init(&P, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_bf16, end, &k_cache[0, 0, 0],
-                          &v_cache[0, 0, 0], kv_bf16, 0, T, Hq, Hkv, D, start, window, 1, <float> (D ** -0.5))
+                    memcpy(<float *> kc + (start + t) * kvd, kb + t * kvd, kvd * sizeof(float))
+                    memcpy(<float *> vc + (start + t) * kvd, src, kvd * sizeof(float))
+            if append:
+                _problem_init(&P, kc, vc, kv_bf16, end, kc, vc, kv_bf16, 0, T, Hq, Hkv, D, start, window, 1,
+                              <float> (D ** -0.5))
+            else:
+                _problem_init(&P, kc, vc, kv_bf16, start, kb, vb, 0, T, T, Hq, Hkv, D, start, window, causal,
+                              <float> (D ** -0.5))
             rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()

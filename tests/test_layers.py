@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
-from dflash_kernels.layers import compose_qwen3_layer
+from dflash_kernels.layers import compose_drafter_layer, compose_qwen3_layer
 from dflash_kernels.reference import attention as ref_attn, dense as ref
 from support import TOLERANCE_LONG, as_f64, assert_close, make_float
 
@@ -49,7 +49,7 @@ CONFIGS = st.fixed_dictionaries({
 })
 
 
-def _case(cfg, seed):
+def _case(cfg, seed, causal=True):
     rng = np.random.default_rng(seed)
     Hq, Hkv = cfg["heads"]
     D = cfg["D"]
@@ -59,7 +59,7 @@ def _case(cfg, seed):
         freq = dk.rope_inv_freq(1e4, D, {"rope_type": "linear", "factor": 4.0})
     layer = dk.prepare_qwen3_layer(w, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
                                    rms_norm_eps=1e-6, rope_theta=1e4, rope_inv_freq=freq,
-                                   sliding_window=cfg["window"], backend="cython")
+                                   sliding_window=cfg["window"], causal=causal, backend="cython")
     T, start = cfg["T"], cfg["start"]
     x = make_float(rng, (T, cfg["H"]), "float32", scale=2.0)
     cache = make_float(rng, (start + T + 5, Hkv, D), cfg["kv"])
@@ -83,7 +83,35 @@ def test_qwen3_layer_equals_composition_bit_for_bit(kernel_backend, cfg, seed):
     np.testing.assert_array_equal(k1[cfg["start"] + x.shape[0]:], k0[cfg["start"] + x.shape[0]:])  # nothing else
 
 
-def _reference_layer(w, cfg, x, k_cache, v_cache, freq):
+@pytest.mark.skipif("cython" not in dk.available_backends(), reason="the fused kernel is Cython's")
+@given(cfg=CONFIGS, causal=st.booleans(), seed=SEEDS)
+def test_drafter_layer_equals_composition_bit_for_bit(kernel_backend, cfg, causal, seed):
+    if kernel_backend != "cython":
+        return
+    _, layer, x, k0, v0, _ = _case(cfg, seed, causal)
+    k_ctx, v_ctx = k0[:cfg["start"]], v0[:cfg["start"]]  # the injected context
+    kw = dict(precision=cfg["precision"], n_threads=cfg["threads"], backend="cython")
+    got = dk.drafter_layer(x, layer, k_ctx, v_ctx, **kw)
+    expect = compose_drafter_layer(x.copy(), layer, k_ctx, v_ctx, **kw)
+    np.testing.assert_array_equal(got, expect)
+
+
+@given(cfg=CONFIGS, causal=st.booleans(), seed=SEEDS)
+def test_drafter_layer_matches_reference(kernel_backend, cfg, causal, seed):
+    """A drafter layer is the target layer with injected-KV attention over [context | block]; with
+    causal=True and the context as the cache prefix the two are the same computation."""
+    cfg = {**cfg, "precision": "highest", "kv": "float32"}
+    w, _, x, k0, v0, freq = _case(cfg, seed)
+    Hq, Hkv = cfg["heads"]
+    layer = dk.prepare_qwen3_layer(w, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=cfg["D"],
+                                   rms_norm_eps=1e-6, rope_theta=1e4, rope_inv_freq=freq,
+                                   sliding_window=cfg["window"], causal=causal, backend=kernel_backend)
+    got = dk.drafter_layer(x, layer, k0[:cfg["start"]], v0[:cfg["start"]], backend=kernel_backend,
+                           n_threads=cfg["threads"])
+    assert_close(got, _reference_layer(w, cfg, x, k0, v0, freq, causal), **TOLERANCE_LONG, what="drafter_layer")
+
+
+def _reference_layer(w, cfg, x, k_cache, v_cache, freq, causal=True):
     """The layer in float64 torch from the reference ops (HF's Qwen3DecoderLayer, step by step)."""
     Hq, Hkv = cfg["heads"]
     D, T, start = cfg["D"], cfg["T"], cfg["start"]
@@ -102,7 +130,11 @@ def _reference_layer(w, cfg, x, k_cache, v_cache, freq):
     k = ref.apply_rope(k, pos, theta=1e4, rotary_dim=D, inv_freq=inv)
     keys = torch.cat([as_f64(k_cache[:start]), k])
     vals = torch.cat([as_f64(v_cache[:start]), v])
-    o = ref_attn.cached_attention(q, keys, vals, causal=True, window=cfg["window"]).reshape(T, Hq * D)
+    if causal:
+        o = ref_attn.cached_attention(q, keys, vals, causal=True, window=cfg["window"])
+    else:
+        o = ref_attn.injected_kv_attention(q, keys[:start], vals[:start], k, v, window=cfg["window"])
+    o = o.reshape(T, Hq * D)
     x1 = xr + ref.linear(o, W["self_attn.o_proj.weight"])
     h2 = ref.rms_norm(x1, W["post_attention_layernorm.weight"], eps=1e-6)
     gate_up = torch.cat([ref.linear(h2, W["mlp.gate_proj.weight"]), ref.linear(h2, W["mlp.up_proj.weight"])], -1)
@@ -172,6 +204,18 @@ def test_prepare_qwen3_layer_names_the_bad_tensor():
         _prep(_good(), rope_inv_freq=np.ones(3))
     with pytest.raises(ValueError, match="sliding_window"):
         _prep(_good(), sliding_window=0)
+
+
+def test_drafter_layer_bad_context():
+    layer = _prep(_good())
+    x = np.zeros((4, 32), np.float32)
+    with pytest.raises(ValueError, match="v_ctx must have shape"):
+        dk.drafter_layer(x, layer, np.zeros((8, 1, 16), np.float32), np.zeros((8, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="k_ctx and v_ctx must match"):
+        dk.drafter_layer(x, layer, np.zeros((8, 1, 16), np.float32), np.zeros((7, 1, 16), np.float32))
+    ro = np.zeros((8, 1, 16), np.float32)
+    ro.flags.writeable = False  # the context is only read
+    assert dk.drafter_layer(x, layer, ro, ro).shape == (4, 32)
 
 
 def test_qwen3_layer_bad_caches_and_positions():
