@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import time
 from contextlib import contextmanager
 
 
@@ -77,3 +78,76 @@ def torch_threads(n: int):
     finally:
         if n != old:
             torch.set_num_threads(old)
+
+
+class ContentionGovernor:
+    """The thread count to use now: fewer while other processes take the cores, back up when they
+    leave.
+
+    Why: an OpenMP region ends at a barrier, so with every core busy each region waits for a thread
+    the OS has descheduled, and the waiting threads spin on the cores the others need: with one
+    CPU-bound process beside a 2-thread decode on 2 cores, the shipped pair ran ~18x slower than at
+    1 thread (docs/benchmarks.md). Passive waiting (OMP_WAIT_POLICY=passive) fixes that but halves
+    the idle speed of small models, whose regions are microseconds apart.
+
+    Signal: the calling thread's run delay, the time it was runnable but waited for a CPU (Linux
+    schedstat), per second of wall time over windows of ``window_s``. Above ``busy`` the count drops
+    by one. Below it, one thread more is tried after ``probe_s``, then after twice that each time a
+    try finds the cores still taken (at most ``max_probe_s``). Without /proc (not Linux) the count
+    stays at ``n_max``. Results never depend on the thread count, so a change is invisible but for
+    speed.
+    """
+
+    def __init__(self, n_max: int, *, window_s: float = 0.1, busy: float = 0.2, probe_s: float = 0.5,
+                 max_probe_s: float = 8.0, path: str = "/proc/thread-self/schedstat"):
+        self.n_max, self.n = n_max, n_max
+        self.window_s, self.busy, self.probe_s, self.max_probe_s = window_s, busy, probe_s, max_probe_s
+        self._path = path
+        self._backoff = probe_s
+        self._probe_at = 0.0
+        self._trying = False
+        self._last = self._sample()
+        self.enabled = self._last is not None and n_max > 1
+
+    def _sample(self):
+        """(wall seconds, run delay seconds) now, or None where schedstat is not available."""
+        try:
+            with open(self._path) as f:
+                delay_ns = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return time.perf_counter(), delay_ns * 1e-9
+
+    def update(self) -> int:
+        """Read the run delay (every ``window_s`` at most) and return the thread count to use."""
+        if not self.enabled or time.perf_counter() - self._last[0] < self.window_s:
+            return self.n
+        now = self._sample()
+        if now is None:
+            return self.n
+        frac = (now[1] - self._last[1]) / (now[0] - self._last[0])
+        self._last = now
+        self.n = self.decide(self.n, frac, now[0])
+        return self.n
+
+    def decide(self, n: int, delay_frac: float, now: float) -> int:
+        """The next thread count from the last window's run delay per wall second (the policy, apart
+        from the clock and /proc, for tests)."""
+        trying, self._trying = self._trying, False
+        if delay_frac > self.busy:
+            if trying:  # the last window tried one thread more and found the cores still taken
+                self._backoff = min(self._backoff * 2, self.max_probe_s)
+            self._probe_at = now + self._backoff
+            return max(1, n - 1)
+        if n < self.n_max and now >= self._probe_at:
+            self._trying = True  # judged by the next window
+            return n + 1
+        if n == self.n_max:
+            self._backoff = self.probe_s  # the cores are ours again
+        return n
+        if n < self.n_max and now >= self._probe_at:
+            self._probe_at = now  # the try: judged by the next window
+            return n + 1
+        if n == self.n_max:
+            self._backoff = self.probe_s  # the cores are ours again
+        return n

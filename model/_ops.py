@@ -16,7 +16,7 @@ from dflash_kernels import linear_attention as _la
 from dflash_kernels._autotune import delegates, torch_linear
 from dflash_kernels._backends import resolve
 from dflash_kernels._precision import check_precision, parts as precision_parts
-from dflash_kernels._threads import resolve_threads
+from dflash_kernels._threads import ContentionGovernor, resolve_threads
 from dflash_kernels.layers import run_qwen3_layer
 
 from .weights import release_pages
@@ -63,6 +63,8 @@ class Ops:
         self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
+        # default threads (n_threads=None) shrink while other processes take the cores (adapt_threads)
+        self.governor = ContentionGovernor(self._n) if n_threads is None else None
         # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
         # tiles on every tier (16 x 2048 x 151936 bf16, 2 threads: 87 vs 107 ms on avx2, 64 vs 102
         # on avx512_bf16; inside a Qwen3-1.7B-shape verification on avx512, with the memory-mapped
@@ -71,6 +73,16 @@ class Ops:
         # whole decoder layers in one compiled call (dflash_kernels/layers.py) where the Cython kernels
         # run; DFLASH_FUSED_LAYERS=0 composes the single ops instead (benchmarks: the same bits, slower)
         self.fused_layers = self._linear_packed is not None and os.environ.get("DFLASH_FUSED_LAYERS", "1") != "0"
+
+    def adapt_threads(self) -> int:
+        """With default threads, the count for the next kernels: fewer while other processes take the
+        cores (dflash_kernels._threads.ContentionGovernor; the engine asks once per step). Results
+        do not depend on it."""
+        if self.governor is not None:
+            n = self.governor.update()
+            if n != self._n:
+                self._n = self.kw["n_threads"] = n
+        return self._n
 
     def prepare(self, w):
         """w in the layout this Ops' linear runs fastest (``dk.prepare_weight``: a packed copy where

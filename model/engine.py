@@ -317,6 +317,7 @@ class _Run:
         pending = []  # taps of autoregressive steps not yet in the drafter's context (auto)
         cache, ctx = self.eng._caches()
         t_start = perf_counter()
+        ops.adapt_threads()
         # prefill; the drafter's context K/V for the prompt is built chunk by chunk
         hidden, _ = target.forward(ids, cache, last_only=True, taps=use_draft,
                                    on_taps=(lambda t: drafter.add_context(t, ctx)) if use_draft else None)
@@ -326,6 +327,7 @@ class _Run:
         kernel0 = ops.kernel_s
         anchor = self.out[-1]
         while not done:
+            ops.adapt_threads()  # default threads: fewer while other processes take the cores
             start = cache.length  # committed tokens with K/V; the anchor goes to position start
             room = cache.max_len - start
             if room <= 0:
