@@ -8,9 +8,12 @@ output is multiplied by sigmoid(gate) before o_proj; RoPE covers only the first 
 
 The cache (``HybridCache``) holds K/V for the full-attention layers and, for each linear layer, the
 conv state (C, K-1) and the recurrent state (H_v, d_k, d_v). Those states cannot be cropped like a
-KV cache, so a verification forward (k+1 rows) keeps the recurrent state after every row
-(``gated_delta_rule(checkpoints=True)``) plus the conv state before the block and the block's conv
-inputs; ``cache.truncate(start + a + 1)`` then restores the exact state at the accepted prefix.
+KV cache, so a verification forward (k+1 rows) keeps what it needs to rebuild them at any prefix:
+the recurrent and conv states before the block and the block's inputs to the conv and the delta rule.
+``cache.truncate(start + a + 1)`` restores the states before the block and re-runs the first a + 1
+rows' recurrence: bit-identical to token-by-token decoding, at the memory of one extra set of states
+plus the block's small inputs, where keeping the state after every row cost k + 1 sets (768 MB per
+16-row block at Qwen3.5-9B) and as many bytes written per round.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_kernels.linear_attention import conv_state_at
+from dflash_kernels.linear_attention import conv_state_at, gated_delta_rule
 
 from ._ops import Ops
 from ._target import TargetBase
@@ -107,8 +110,9 @@ class _Record:
     start: int  # cache length before the block
     n: int  # rows in the block
     conv_before: np.ndarray  # (n_lin, C, K-1) conv states before the block
+    state_before: np.ndarray  # (n_lin, H_v, d_k, d_v) recurrent states before the block
     mixed: list  # per linear layer: (n, C) conv inputs of the block
-    states: list  # per linear layer: (n, H_v, d_k, d_v) recurrent state after each row
+    inputs: list  # per linear layer: the block's (q, k, v, g, beta) for the delta rule
 
 
 class HybridCache:
@@ -116,11 +120,13 @@ class HybridCache:
 
     kv: K/V of the full-attention layers (``KVCache``, float32 or bf16 storage); conv (n_lin, C, K-1)
     and state (n_lin, H_v, d_k, d_v) float32 for the linear layers (the state after ``length`` tokens).
-    record_limit: verification blocks of up to this many rows keep per-row checkpoints
-    (memory: rows x n_lin x H_v d_k d_v x 4 bytes, 768 MB for 16 rows of Qwen3.5-9B).
+    record_limit: verification blocks of up to this many rows keep what truncate() needs (the states
+    before the block, once, and the block's inputs). delta_rule: the ``gated_delta_rule`` that
+    re-runs the kept rows (the model's, so that it computes exactly as the forward did).
     """
 
-    def __init__(self, cfg: Qwen35Config, max_len: int, dtype: str = "float32", record_limit: int = 64):
+    def __init__(self, cfg: Qwen35Config, max_len: int, dtype: str = "float32", record_limit: int = 64,
+                 delta_rule=None):
         n_lin = len(cfg.linear_layers)
         self.kv = KVCache(len(cfg.full_layers), max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
         self.conv = np.zeros((n_lin, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), np.float32)
@@ -130,6 +136,8 @@ class HybridCache:
         self.record_limit = record_limit
         self.length = 0
         self._rec: _Record | None = None
+        self._state_before = np.empty_like(self.state)  # reused by every verification forward
+        self._delta_rule = delta_rule
 
     def reset(self) -> None:
         self.length = 0
@@ -138,8 +146,8 @@ class HybridCache:
         self._rec = None
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions: K/V rows are cut, linear states are restored from the
-        checkpoints of the last verification forward (positions start+1 .. start+rows). 0 resets."""
+        """Keep the first ``length`` positions: K/V rows are cut, linear states are rebuilt from what
+        the last verification forward kept (lengths start+1 .. start+rows). 0 resets."""
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
             raise TypeError(f"truncate length must be an int, got {length!r}")
         if not 0 <= length <= self.length:
@@ -157,8 +165,10 @@ class HybridCache:
                              f"states cannot be cropped and {have} (run a multi-token forward with "
                              "checkpoints, or reset() and re-run the prefix)")
         j = length - rec.start  # rows of the block kept
+        rule = self._delta_rule or gated_delta_rule
         for s in range(self.state.shape[0]):
-            self.state[s] = rec.states[s][j - 1]
+            self.state[s] = rec.state_before[s]
+            rule(*(a[:j] for a in rec.inputs[s]), self.state[s])  # the kept rows again, in place
             self.conv[s] = conv_state_at(rec.conv_before[s], rec.mixed[s], j)
         self.length = length
 
@@ -222,7 +232,7 @@ class Qwen35Model(TargetBase):
         self.set_taps(tap_layer_ids)
 
     def new_cache(self, max_len: int, dtype: str = "float32", record_limit: int = 64) -> HybridCache:
-        return HybridCache(self.cfg, max_len, dtype, record_limit)
+        return HybridCache(self.cfg, max_len, dtype, record_limit, delta_rule=self.ops.gated_delta_rule)
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -231,7 +241,8 @@ class Qwen35Model(TargetBase):
         """Run tokens ``ids`` at positions cache.length.. and advance the cache.
 
         Returns (hidden, taps) exactly as ``Qwen3Model.forward``. checkpoints: keep the linear
-        layers' per-row states so that ``cache.truncate(n)`` can go back to any n in
+        layers' states before the block and the block's inputs so that ``cache.truncate(n)`` can go
+        back to any n in
         start+1 .. start+T; None (default) = on for blocks of 2 .. cache.record_limit rows when not
         last_only (verification), off for prompts (last_only) and single tokens.
         """
@@ -287,10 +298,9 @@ class Qwen35Model(TargetBase):
         beta = (0.5 + 0.5 * np.tanh(0.5 * b)).astype(np.float32)  # (T, Hv) sigmoid(b), overflow-free
         g = (L.neg_a * np.logaddexp(np.float32(0.0), a + L.dt_bias)).astype(np.float32)  # -exp(A) softplus(a + dt)
         if rec is not None:
-            o, states = ops.gated_delta_rule(q, k, v, g, beta, cache.state[slot], checkpoints=True)
-            rec.states.append(states)
-        else:
-            o = ops.gated_delta_rule(q, k, v, g, beta, cache.state[slot])
+            rec.state_before[slot] = cache.state[slot]
+            rec.inputs.append((q, k, v, g, beta))
+        o = ops.gated_delta_rule(q, k, v, g, beta, cache.state[slot])
         o = ops.gated_rms_norm(o, z, L.norm, self.eps)  # (T, Hv, dv), per value head
         return ops.linear(o.reshape(T, vd), L.w_out)
 
@@ -301,7 +311,7 @@ class Qwen35Model(TargetBase):
         pos = np.arange(start, start + T, dtype=np.int64)
         rec = None
         if record:
-            rec = _Record(start, T, np.empty_like(cache.conv), [], [])
+            rec = _Record(start, T, np.empty_like(cache.conv), cache._state_before, [], [])
         x = self.embed_rows(ids)  # (T, H) residual stream
         n_layers = len(self.layers)
         delta = None  # (T, H) MLP output not yet added to x

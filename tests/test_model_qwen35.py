@@ -345,3 +345,30 @@ def test_drafter_layer_ids_checked_against_hybrid_target(ckpt, tmp_path):
     d = write_dflash_for_qwen35(tmp_path / "d", t, layers=1, block_size=8, target_layer_ids=(0, 4))
     with pytest.raises(ValueError, match="target_layer_ids"):
         dm.load(t, d, max_len=32)
+
+
+def _kept_bytes(cache) -> int:
+    rec = cache._rec
+    arrays = [rec.state_before, rec.conv_before, *rec.mixed, *(a for ins in rec.inputs for a in ins)]
+    seen, total = set(), 0
+    for a in arrays:  # q, k, v are views of one conv output per layer: count each buffer once
+        base = a if a.base is None else a.base
+        if id(base) not in seen:
+            seen.add(id(base))
+            total += base.nbytes
+    return total
+
+
+def test_verification_keeps_one_set_of_states_whatever_the_block(ckpt):
+    """Rollback keeps the states before the block once, plus the block's inputs (a few values per row
+    and channel), never a recurrent state per row (k + 1 sets: 768 MB per 16-row block at 9B)."""
+    m = load_target(ckpt("mm-4-untied"), ops=Ops(n_threads=1))
+    kept = {}
+    for rows in (3, 12):
+        cache = m.new_cache(64)
+        m.forward([11, 200, 37, 5], cache, last_only=True)
+        m.forward(list(range(20, 20 + rows)), cache)
+        assert cache._rec.state_before.nbytes == cache.state.nbytes
+        kept[rows] = _kept_bytes(cache)
+    per_row = (kept[12] - kept[3]) / 9
+    assert per_row < 0.5 * cache.state.nbytes, (per_row, cache.state.nbytes)
