@@ -37,6 +37,7 @@ from .dense import (
     rope_inv_freq,
     silu_and_mul,
 )
+from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
 from .layers import Qwen3Layer, drafter_layer, prepare_qwen3_layer, qwen3_layer
 from .linear_attention import (
     apply_output_gate,

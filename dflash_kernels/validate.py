@@ -113,6 +113,28 @@ def _checks(seed: int) -> list[Check]:
             return dk.causal_conv1d(*a, cs, backend=b), cs
 
         checks.append(Check(f"causal_conv1d T={t} C=96 K=4", conv))
+    # fused decoder layers: a Qwen3 target layer (K/V appended to its cache) and a DFlash drafter layer
+    # (over an injected context), bf16 weights, prepared per backend (packed where Cython runs)
+    H, hq, hkv, d, inter = 256, 4, 2, 64, 512
+    lw = {"input_layernorm.weight": 1 + f(H, s=0.1), "post_attention_layernorm.weight": 1 + f(H, s=0.1),
+          "self_attn.q_norm.weight": 1 + f(d, s=0.1), "self_attn.k_norm.weight": 1 + f(d, s=0.1)}
+    for name, shape in (("self_attn.q_proj", (hq * d, H)), ("self_attn.k_proj", (hkv * d, H)),
+                        ("self_attn.v_proj", (hkv * d, H)), ("self_attn.o_proj", (H, hq * d)),
+                        ("mlp.gate_proj", (inter, H)), ("mlp.up_proj", (inter, H)), ("mlp.down_proj", (H, inter))):
+        lw[name + ".weight"] = _store(f(*shape, s=0.05), "bfloat16")
+    lx, k0, v0 = f(16, H), f(64, hkv, d), f(64, hkv, d)
+
+    def layer(b, causal=True):
+        return dk.prepare_qwen3_layer(lw, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                                      causal=causal, backend=b)
+
+    def target_layer(b):
+        kc, vc = k0.copy(), v0.copy()
+        return dk.qwen3_layer(lx, layer(b), kc, vc, 40, backend=b), kc, vc
+
+    checks.append(Check(f"qwen3_layer 16 rows after 40, {hq}/{hkv}x{d}, H {H}", target_layer))
+    checks.append(Check(f"drafter_layer 16 rows over 40, {hq}/{hkv}x{d}, H {H}",
+                        lambda b: dk.drafter_layer(lx, layer(b, causal=False), k0[:40], v0[:40], backend=b)))
     # acceptance (exact)
     v, k = 2000, 15
     drafts = rng.integers(0, v, (4, k))
