@@ -19,6 +19,7 @@ if _os.environ.get("DFLASH_ISA") and "numba" not in _sys.modules and "NUMBA_CPU_
     if _cap is not None:
         _os.environ["NUMBA_CPU_NAME"] = _isa.NUMBA_CPU[_isa.cap_tier(_cap, _isa.machine_tier()) or "avx2"]
 
+from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
 from ._autotune import tune_linear
 from ._backends import available_backends, kernel_module
 from ._config import show_config
@@ -37,7 +38,6 @@ from .dense import (
     rope_inv_freq,
     silu_and_mul,
 )
-from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
 from .layers import Qwen3Layer, drafter_layer, prepare_qwen3_layer, qwen3_layer
 from .linear_attention import (
     apply_output_gate,

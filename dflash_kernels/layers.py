@@ -24,7 +24,7 @@ import numpy as np
 
 from ._backends import resolve
 from ._precision import check_precision, get_matmul_precision, parts as precision_parts
-from ._tensors import Array, any_torch, f32_array, f32_to_bf16, float_array, wrap, _numpy_view
+from ._tensors import Array, _numpy_view, any_torch, f32_array, f32_to_bf16, float_array, wrap
 from ._threads import resolve_threads
 from .attention import cached_attention, injected_kv_attention
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
