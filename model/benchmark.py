@@ -186,24 +186,34 @@ def tuned_path() -> Path:
 
 
 def _tune_key(eng) -> str:
-    """The pair, and what decides a round's cost here: the threads (resolved), the ISA tier and the
-    matmul precision (a k tuned on AMX is too long for the same pair capped to AVX2)."""
+    """The pair, and what decides a round's cost here: the threads asked for (default threads count
+    as the CPUs, whatever the contention governor runs at the moment), the ISA tier and the matmul
+    precision (a k tuned on AMX is too long for the same pair capped to AVX2)."""
     ops = eng.ops
     tier = getattr(ops._dense, "TIER", "numba") if ops._dense is not None else "torch"
-    return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={ops.kw['n_threads']}"
+    threads = ops.governor.n_max if ops.governor is not None else ops.kw["n_threads"]
+    return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={threads}"
             f"|tier={tier}|precision={ops.precision}")
 
 
 def tuned_num_speculative_tokens(eng) -> int | None:
-    """The k `dflash tune` measured best for this pair and thread count on this machine, if any."""
+    """The k `dflash tune` measured best for this pair and thread count on this machine, if any (0:
+    no k beat autoregressive decoding there)."""
     try:
         return int(json.loads(tuned_path().read_text())[_tune_key(eng)]["best_k"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True, prompts=None, seed=0) -> dict:
-    """Sweep k by measured greedy throughput (not acceptance rate, which falls with k)."""
+LOAD_SPREAD = 0.25  # autoregressive tokens/s measured before and after the sweep may differ this much
+
+
+def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True, prompts=None, seed=0,
+             max_spread: float = LOAD_SPREAD) -> dict:
+    """Sweep k by measured greedy throughput (not acceptance rate, which falls with k). best_k is 0
+    when no k beats autoregressive decoding; nothing is stored when the autoregressive speed measured
+    before and after the sweep differs by more than max_spread (a busy machine). The result says why
+    in "warnings" and where it stored the profile in "stored_in"."""
     if eng.drafter is None:
         raise ValueError("dflash tune needs a drafter")
     prompts = prompts or load_prompts(None, n_prompts, eng)
@@ -215,12 +225,29 @@ def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True,
         m = aggregate(r.metrics for r in _run(eng, prompts, max_new_tokens, 0.0, k, seed))
         sweep.append({"k": k, "tokens_per_second": m.tokens_per_second, "tau": m.tau,
                       "acceptance_rate": m.acceptance_rate, "speedup": m.tokens_per_second / ar.tokens_per_second})
+    # the same autoregressive run again: a machine busy with other work shows as a spread between the
+    # two, and a k measured then would describe the load, not the pair
+    ar2 = aggregate(r.metrics for r in _run(eng, prompts, max_new_tokens, 0.0, 0, seed))
+    spread = abs(ar2.tokens_per_second - ar.tokens_per_second) / max(ar.tokens_per_second, ar2.tokens_per_second)
     best = max(sweep, key=lambda s: s["tokens_per_second"])
-    result = {"best_k": best["k"], "ar_tokens_per_second": ar.tokens_per_second, "sweep": sweep}
+    ar_tps = max(ar.tokens_per_second, ar2.tokens_per_second)
+    warnings = []
+    if best["tokens_per_second"] <= ar_tps:
+        warnings.append(f"no k beat autoregressive decoding ({ar_tps:.1f} tokens/s against "
+                        f"{best['tokens_per_second']:.1f} at k={best['k']}): storing 0, generate will not draft")
+    best_k = best["k"] if best["tokens_per_second"] > ar_tps else 0
+    if spread > max_spread:
+        warnings.append(f"autoregressive speed moved by {spread:.0%} during the sweep (busy machine?): "
+                        "not stored; run dflash tune again when the machine is idle")
+        save = False
+    result = {"best_k": best_k, "ar_tokens_per_second": ar.tokens_per_second,
+              "ar_tokens_per_second_after": ar2.tokens_per_second, "sweep": sweep, "warnings": warnings,
+              "stored_in": None}
     lines = ["| k | tokens/s | speedup | tau | acceptance |", "|---|---|---|---|---|"]
     lines += [f"| {s['k']} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | "
               f"{s['acceptance_rate']:.1%} |" for s in sweep]
-    result["markdown"] = f"autoregressive: {ar.tokens_per_second:.1f} tokens/s\n\n" + "\n".join(lines)
+    result["markdown"] = (f"autoregressive: {ar.tokens_per_second:.1f} tokens/s (again after the sweep: "
+                          f"{ar2.tokens_per_second:.1f})\n\n" + "\n".join(lines))
     if save:
         path = tuned_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +255,8 @@ def run_tune(eng, *, n_prompts=4, max_new_tokens=96, ks=range(1, 16), save=True,
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
+        result["stored_in"] = str(path)
         table[_tune_key(eng)] = {k: v for k, v in result.items() if k != "markdown"}
         path.write_text(json.dumps(table, indent=2) + "\n")
+        eng._tuned_k = None  # generate reads the new value
     return result

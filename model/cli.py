@@ -57,16 +57,12 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .benchmark import tuned_num_speculative_tokens
-
     gen = _load(args)
     chat = args.chat if args.chat is not None else gen.chat_template is not None
     prompt = gen.chat_prompt([{"role": "user", "content": args.prompt}]) if chat else args.prompt
     if not args.quiet_prompt and not chat:
         sys.stdout.write(args.prompt)
-    k = args.num_speculative_tokens
-    if k is None and gen.drafter is not None:
-        k = tuned_num_speculative_tokens(gen)  # None -> the engine's default, block_size - 1
+    k = args.num_speculative_tokens  # None: the tuned k (Engine.generate), else block_size - 1
 
     def stream(new_ids, new_text):
         sys.stdout.write(new_text or "")
@@ -119,7 +115,12 @@ def cmd_tune(args) -> int:
     result = run_tune(gen, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1),
                       save=not args.no_save)
     print(result["markdown"])
+    for w in result["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     print(f"best num_speculative_tokens = {result['best_k']}")
+    if result["stored_in"]:
+        print(f"stored in {result['stored_in']} (dflash generate / bench and Engine.generate use it for this "
+              "pair, threads, ISA tier and precision)", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2) + "\n")
     return 0
@@ -306,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompts", type=_positive("--n-prompts"), default=4, help="prompts per k")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
     p.add_argument("--max-k", type=_positive("--max-k"), default=15, help="largest k of the sweep")
-    p.add_argument("--no-save", action="store_true", help="do not store the tuned k beside the drafter")
+    p.add_argument("--no-save", action="store_true",
+                   help="do not store the tuned k (in the user cache: $DFLASH_CACHE_DIR or ~/.cache/dflash_kernels)")
     p.add_argument("--out", help="also write the sweep as JSON (bench/scale.py --tau-json reads it)")
     p.set_defaults(func=cmd_tune)
 

@@ -1,10 +1,25 @@
 """pytest fixtures; the helpers themselves live in support.py (and checkpoints.py for the model tests)."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 
 import dflash_kernels as dk
-from checkpoints import ckpt_dir  # noqa: F401  (fixture, shared by the tests/test_model_*.py files)
-from support import ALL_BACKENDS, KERNEL_CASES
+from dflash_kernels.model.defaults import find_smollm2
+
+# The tests never read this user's tuning results (`dflash tune`'s k, `tune-kernels`' delegations):
+# they would change the k that generate drafts by default, or send matmuls to torch. A fresh cache
+# directory for the session; the SmolLM2 file, when fetched, is still found where it is.
+_gguf = find_smollm2()
+if _gguf is not None:
+    os.environ.setdefault("DFLASH_SMOLLM2_GGUF", str(_gguf))
+os.environ["DFLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_CACHE_DIR"], True)
+from checkpoints import ckpt_dir  # noqa: E402, F401  (fixture, shared by the tests/test_model_*.py files)
+from support import ALL_BACKENDS, KERNEL_CASES  # noqa: E402
 
 
 @pytest.fixture(params=ALL_BACKENDS)

@@ -67,17 +67,64 @@ def test_generate_and_bench_take_k_auto(pair, tmp_path, capsys):
     assert sum(row["k_histogram"].values()) > 0
 
 
-def test_tune_picks_and_stores_best_k(pair, tmp_path, monkeypatch, capsys):
+def test_tune_stores_best_k_and_generate_uses_it(pair, tmp_path, monkeypatch):
     from dflash_kernels.model import load
     from dflash_kernels.model.benchmark import run_tune, tuned_num_speculative_tokens
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     target, drafter = pair
     eng = load(target, drafter)
-    result = run_tune(eng, prompts=["hello", "abc"], max_new_tokens=10, ks=[1, 3, 5])
-    best = max(result["sweep"], key=lambda s: s["tokens_per_second"])["k"]
-    assert result["best_k"] == best
-    assert tuned_num_speculative_tokens(eng) == best
+    result = run_tune(eng, prompts=["hello", "abc"], max_new_tokens=10, ks=[1, 3, 5], max_spread=float("inf"))
+    best = max(result["sweep"], key=lambda s: s["tokens_per_second"])
+    ar = max(result["ar_tokens_per_second"], result["ar_tokens_per_second_after"])
+    assert result["best_k"] == (best["k"] if best["tokens_per_second"] > ar else 0)
+    assert result["stored_in"] == str(tmp_path / "tuned.json")
+    assert tuned_num_speculative_tokens(eng) == result["best_k"]
+    # the Python API drafts the tuned k by default, as the CLI does
+    assert eng.tuned_num_speculative_tokens() == result["best_k"]
+    m = eng.generate("hello", 12, ignore_eos=True).metrics
+    assert max(m.drafted, default=0) == result["best_k"]
+
+
+def _fake_tune(monkeypatch, tps):
+    """run_tune over fake runs: tokens/s per k from tps(k, call index)."""
+    from types import SimpleNamespace
+
+    from dflash_kernels.model import benchmark
+
+    calls = []
+
+    def fake_run(eng, prompts, n, temperature, k, seed):
+        return [SimpleNamespace(metrics=SimpleNamespace(k=k))]
+
+    def fake_aggregate(metrics):
+        k = next(iter(metrics)).k
+        calls.append(k)
+        return SimpleNamespace(tokens_per_second=tps(k, len(calls)), tau=1.0, acceptance_rate=0.0)
+
+    monkeypatch.setattr(benchmark, "_run", fake_run)
+    monkeypatch.setattr(benchmark, "aggregate", fake_aggregate)
+    eng = SimpleNamespace(drafter=object(), default_num_speculative_tokens=15, generate=lambda *a, **k: None,
+                          ops=SimpleNamespace(_dense=None, governor=None, kw={"n_threads": 2}, precision="highest"))
+    return benchmark, eng
+
+
+def test_tune_stores_zero_when_no_k_beats_autoregressive(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    benchmark, eng = _fake_tune(monkeypatch, lambda k, i: 100.0 if k == 0 else 60.0 + k)
+    result = benchmark.run_tune(eng, prompts=["a"], ks=[1, 2, 3])
+    assert result["best_k"] == 0 and "no k beat autoregressive" in result["warnings"][0]
+    assert benchmark.tuned_num_speculative_tokens(eng) == 0
+
+
+def test_tune_refuses_to_store_a_run_under_load(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    # autoregressive at 100 tokens/s before the sweep, 60 after it: the machine got busy
+    benchmark, eng = _fake_tune(monkeypatch, lambda k, i: (100.0 if i == 1 else 60.0) if k == 0 else 150.0)
+    result = benchmark.run_tune(eng, prompts=["a"], ks=[1, 2])
+    assert result["best_k"] == 1 and result["stored_in"] is None
+    assert "not stored" in result["warnings"][0]
+    assert not (tmp_path / "tuned.json").exists()
 
 
 def test_info(capsys):
