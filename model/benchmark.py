@@ -79,10 +79,11 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
     if eng.drafter is None:
         raise ValueError("dflash bench compares autoregressive with DFlash: load a drafter")
     prompts = load_prompts(prompts_file, n_prompts, eng)
-    k = eng.default_num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-    eng.generate(prompts[0], 8, num_speculative_tokens=k)  # warm-up: JIT caches, buffers
+    eng.generate(prompts[0], 8, num_speculative_tokens=num_speculative_tokens)  # warm-up: JIT caches, buffers
     rows, lossless = [], {}
     for temp in temperatures:
+        # None: what generate would draft at this temperature (the tuned k, else auto / block_size - 1)
+        k = eng.default_speculative_tokens(temp) if num_speculative_tokens is None else num_speculative_tokens
         ar, sd = [], []
         for i, p in enumerate(tqdm(prompts, desc=f"bench T={temp}", leave=False)):
             ar += _run(eng, [p], max_new_tokens, temp, 0, seed + i)

@@ -33,7 +33,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh randomness)")
     p.add_argument("-k", "--num-speculative-tokens", type=_k_arg, default=None,
                    help="drafts per round, or 'auto': chosen every round by measured cost and acceptance "
-                        "(default: the tuned value if `dflash tune` ran, else block_size - 1)")
+                        "(default: the tuned value if `dflash tune` ran, else auto)")
 
 
 def _load(args):
@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
     prompt = gen.chat_prompt([{"role": "user", "content": args.prompt}]) if chat else args.prompt
     if not args.quiet_prompt and not chat:
         sys.stdout.write(args.prompt)
-    k = args.num_speculative_tokens  # None: the tuned k (Engine.generate), else block_size - 1
+    k = args.num_speculative_tokens  # None: the tuned k (Engine.generate), else auto
 
     def stream(new_ids, new_text):
         sys.stdout.write(new_text or "")
@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="one run per temperature")
     p.add_argument("-k", "--num-speculative-tokens", type=_k_arg, default=None,
-                   help="drafts per round, or 'auto' (default: block_size - 1; the k sweep includes auto)")
+                   help="drafts per round, or 'auto' (default: the tuned k if `dflash tune` ran, else auto; "
+                        "the k sweep includes auto)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--out", help="directory for bench.json, bench.md and PNG plots")
     p.set_defaults(func=cmd_bench)

@@ -1,7 +1,7 @@
 """Speculative decoding engine: DFlash drafter + Qwen3 target, or plain autoregressive decoding.
 
     engine = dflash_kernels.model.load("Qwen3-8B", "Qwen3-8B-DFlash-b16")
-    res = engine.generate("Hello", max_new_tokens=64)          # greedy, k = block_size - 1
+    res = engine.generate("Hello", max_new_tokens=64)          # greedy, k chosen every round ("auto")
     res.token_ids, res.text, res.metrics.tau
 
 The loop is docs/dflash.md section 3 for a batch of one; both the AR and the speculative paths go
@@ -68,7 +68,7 @@ class Engine:
         # (model/adaptive.py). Acceptance is learnt per request: a prior carried over from the last
         # request starved the deep positions of trials (k settled at 3 where 15 paid best).
         self.round_cost = RoundCost(self.default_num_speculative_tokens)
-        self._tuned_k = None  # tuned_num_speculative_tokens(), looked up on first use
+        self._tuned_k = None  # default_speculative_tokens(), looked up on first use
         # generate() is not re-entrant: the caches and the decoding state are the Engine's own
         self._busy = threading.Lock()
 
@@ -82,18 +82,24 @@ class Engine:
     def default_num_speculative_tokens(self) -> int:
         return self.drafter.cfg.block_size - 1 if self.drafter else 0
 
-    def tuned_num_speculative_tokens(self) -> int:
-        """The k generate drafts by default: what `dflash tune` stored for this pair and setting on this
-        machine (read once per Engine; run_tune refreshes it), else block_size - 1 (0 without drafter)."""
+    def default_speculative_tokens(self, temperature: float = 0.0) -> int | str:
+        """What generate drafts when num_speculative_tokens is not given: the k `dflash tune` stored for
+        this pair and setting on this machine (read once per Engine; run_tune refreshes it), else
+        "auto" for greedy decoding and block_size - 1 when sampling; 0 without a drafter.
+
+        Why not "auto" when sampling: its k follows measured round times, and sampled tokens depend on
+        the drafts, so a seed would no longer reproduce the tokens (greedy output is the same for every
+        k, so there "auto" only changes the speed)."""
         if self.drafter is None:
             return 0
         if self._tuned_k is None:
             from .benchmark import tuned_num_speculative_tokens
 
             tuned = tuned_num_speculative_tokens(self)
-            self._tuned_k = self.default_num_speculative_tokens if tuned is None else \
-                min(tuned, self.default_num_speculative_tokens)
-        return self._tuned_k
+            self._tuned_k = -1 if tuned is None else min(tuned, self.default_num_speculative_tokens)
+        if self._tuned_k >= 0:
+            return self._tuned_k
+        return "auto" if temperature == 0.0 else self.default_num_speculative_tokens
 
     def chat_prompt(self, messages, enable_thinking: bool = False) -> str:
         """Prompt text through the target's own chat template (ChatML when it has none); thinking
@@ -173,11 +179,12 @@ class Engine:
         temperature 0 (or below dflash_kernels.acceptance.MIN_TEMPERATURE, 1e-6): greedy (identical
         with and without the drafter). temperature > 0: sampled
         with top_k (0 = off) / top_p (1 = off), lossless rejection sampling; ``seed`` (int) makes it
-        reproducible. num_speculative_tokens: drafts per round, default the k `dflash tune` stored for
-        this pair, threads, ISA tier and precision on this machine (0 when no k beat autoregressive
-        decoding there), else block_size - 1; 0 or no drafter = autoregressive; "auto" = chosen
-        every round, 0 included, for the most expected tokens per second from this request's
-        acceptance and this machine's measured round cost
+        reproducible. num_speculative_tokens: drafts per round (at most block_size - 1); 0 or no
+        drafter = autoregressive; "auto" = chosen every round, 0 included, for the most expected
+        tokens per second from this request's acceptance and this machine's measured round cost
+        (model/adaptive.py). Default: the k `dflash tune` stored for this pair, threads, ISA tier
+        and precision on this machine (0 when no k beat autoregressive decoding there), else "auto"
+        when greedy and block_size - 1 when sampling (so that a seed reproduces the tokens)
         (model/adaptive.py; the output does not depend on it). stop: extra stop token ids and/or
         stop strings (in addition to the checkpoint's eos ids unless ignore_eos). stream:
         ``callback(new_ids, new_text)`` after every round (new_text None without tokenizer).
@@ -206,7 +213,11 @@ class Engine:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-        k = self.tuned_num_speculative_tokens() if num_speculative_tokens is None else num_speculative_tokens
+        if temperature < MIN_TEMPERATURE:  # too small to invert: greedy, as every kernel treats it
+            temperature = 0.0
+        k = num_speculative_tokens
+        if k is None:
+            k = self.default_speculative_tokens(temperature)
         auto = isinstance(k, str) and k == "auto"
         if auto:
             k = self.default_num_speculative_tokens  # the most a round may draft (0 without a drafter)
@@ -223,8 +234,6 @@ class Engine:
         if max_new_tokens == 0:
             self.history.append(metrics)
             return GenerationResult([], "" if self.tokenizer else None, "length", metrics, ids)
-        if temperature < MIN_TEMPERATURE:  # too small to invert: greedy, as every kernel treats it
-            temperature = 0.0
         run = _Run(self, int(max_new_tokens), float(temperature), int(top_k), float(top_p), seed,
                    stop_ids, stop_strings, stream, metrics)
         run.execute(ids, int(k), auto=auto and k > 0)

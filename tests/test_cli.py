@@ -81,7 +81,7 @@ def test_tune_stores_best_k_and_generate_uses_it(pair, tmp_path, monkeypatch):
     assert result["stored_in"] == str(tmp_path / "tuned.json")
     assert tuned_num_speculative_tokens(eng) == result["best_k"]
     # the Python API drafts the tuned k by default, as the CLI does
-    assert eng.tuned_num_speculative_tokens() == result["best_k"]
+    assert eng.default_speculative_tokens() == result["best_k"]
     m = eng.generate("hello", 12, ignore_eos=True).metrics
     assert max(m.drafted, default=0) == result["best_k"]
 

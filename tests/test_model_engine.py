@@ -419,3 +419,26 @@ def test_nan_weights_raise_on_the_autoregressive_path_too(ckpt_dir, tmp_path_fac
     eng.target.lm_head[7] = 0x7FC0  # bf16 NaN
     with pytest.raises(ValueError, match="not finite"):
         eng.generate([1, 2, 3], 4, ignore_eos=True)
+
+
+def test_default_k_auto_when_greedy_fixed_when_sampling(hot, monkeypatch):
+    """Without a tuned k: greedy runs "auto" (its output is the same for every k, so only speed moves),
+    sampling runs block_size - 1 (auto's k follows round times, so a seed would not reproduce tokens)."""
+    assert hot.default_speculative_tokens(0.0) == "auto"
+    assert hot.default_speculative_tokens(0.7) == hot.default_num_speculative_tokens == 15
+    import dflash_kernels.model.engine as engine_mod
+
+    choosers = []
+
+    class Spy(engine_mod.AutoK):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            choosers.append(self)
+
+    monkeypatch.setattr(engine_mod, "AutoK", Spy)
+    ref = hot.generate([9, 8, 7], 40, ignore_eos=True, num_speculative_tokens=0)
+    assert hot.generate([9, 8, 7], 40, ignore_eos=True).token_ids == ref.token_ids
+    assert len(choosers) == 1 and choosers[0].rounds > 0  # greedy: k chosen every round
+    a = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
+    b = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
+    assert a.token_ids == b.token_ids and len(choosers) == 1 and a.metrics.drafted[0] == 15  # fixed k
