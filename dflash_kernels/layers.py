@@ -44,7 +44,7 @@ class Qwen3Layer:
     """
 
     __slots__ = ("w_in", "w_qkv", "q_norm", "k_norm", "w_o", "w_post", "w_gate_up", "w_down", "window",
-                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal")
+                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal", "finite_mask")
 
     def __init__(self, *, w_in, w_qkv, q_norm, k_norm, w_o, w_post, w_gate_up, w_down, num_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None,
@@ -54,6 +54,9 @@ class Qwen3Layer:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.rope_theta, self.inv_freq, self.window = eps, rope_theta, inv_freq, window
         self.causal = causal
+        # bit i: matmul weight i is finite (PackedWeight.finite), for the kernel's path choice; once
+        # here, not per call
+        self.finite_mask = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(getattr(self, n), "finite", True))
 
     @property
     def hidden_size(self) -> int:
@@ -238,13 +241,13 @@ def run_qwen3_layer(module, x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarra
     """The compiled layer, no checks: x (T, H) float32 C-contiguous, updated in place (the model
     layer's fast path; ``qwen3_layer`` / ``drafter_layer`` validate first). append=False: a drafter
     layer over the context rows 0..start-1 of the caches."""
-    finite = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(layer, n).finite)
     module.qwen3_layer(
         x, start, layer.w_in, layer.w_qkv.data, layer.q_norm, layer.k_norm, layer.w_o.data, layer.w_post,
         layer.w_gate_up.data, layer.w_down.data, k_cache, v_cache, n_heads=layer.num_heads,
         n_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, intermediate=layer.intermediate_size,
         eps=layer.eps, theta=layer.rope_theta, inv_freq=layer.inv_freq, window=layer.window or 0,
-        n_threads=n_threads, parts=parts, finite_mask=finite, append=append, causal=layer.causal)
+        n_threads=n_threads, parts=parts, finite_mask=layer.finite_mask, append=append,
+        causal=layer.causal)
 
 
 def _project(x, layer, start, precision, kw):
