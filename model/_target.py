@@ -23,6 +23,15 @@ class TargetBase:
         for slot, layer in enumerate(ids):
             self._tap_slot.setdefault(layer, []).append(slot)
 
+    def _write_taps(self, tap_out, layer: int, x, norm_offset: float = 0.0) -> None:
+        """The residual stream x after ``layer`` into its tap columns (tap_out (T, n_taps * H)); HF's
+        last hidden state is the final-normed one, so the last layer's tap is normed."""
+        if layer == self.cfg.num_hidden_layers - 1:
+            x = self.ops.rms_norm(x, self.norm, self.eps, offset=norm_offset)
+        H = self.cfg.hidden_size
+        for slot in self._tap_slot[layer]:
+            tap_out[:, slot * H : (slot + 1) * H] = x
+
     @property
     def tap_width(self) -> int:
         return len(self.tap_ids) * self.cfg.hidden_size

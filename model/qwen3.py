@@ -176,14 +176,11 @@ class Qwen3Model(TargetBase):
         pos = np.arange(start, start + T, dtype=np.int64)
         qd = c.q_dim
         x = self.embed_rows(ids)  # (T, H) residual stream
-        n_layers = len(self.layers)
         if self.fused_layers:
             for li, L in enumerate(self.layers):
                 ops.qwen3_layer(x, L, cache.k[li], cache.v[li], start)
                 if tap_out is not None and li in self._tap_slot:
-                    tap = x if li < n_layers - 1 else ops.rms_norm(x, self.norm, eps)  # HF: last entry is normed
-                    for slot in self._tap_slot[li]:
-                        tap_out[:, slot * c.hidden_size : (slot + 1) * c.hidden_size] = tap
+                    self._write_taps(tap_out, li, x)
             cache.length = start + T
             return ops.rms_norm(x, self.norm, eps) if want_hidden else None
         delta = None  # (T, H) MLP output not yet added to x
@@ -200,9 +197,7 @@ class Qwen3Model(TargetBase):
             delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
             if tap_out is not None and li in self._tap_slot:
                 x, delta = x + delta, None
-                tap = x if li < n_layers - 1 else ops.rms_norm(x, self.norm, eps)  # HF: last entry is normed
-                for slot in self._tap_slot[li]:
-                    tap_out[:, slot * c.hidden_size : (slot + 1) * c.hidden_size] = tap
+                self._write_taps(tap_out, li, x)
         cache.length = start + T
         if not want_hidden:
             return None

@@ -305,7 +305,7 @@ class Qwen35Model(TargetBase):
         return ops.linear(o.reshape(T, vd), L.w_out)
 
     def _forward_rows(self, ids, cache: HybridCache, tap_out, want_hidden: bool, record: bool):
-        ops, c, eps = self.ops, self.cfg, self.eps
+        ops, eps = self.ops, self.eps
         T = ids.shape[0]
         start = cache.length
         pos = np.arange(start, start + T, dtype=np.int64)
@@ -313,7 +313,6 @@ class Qwen35Model(TargetBase):
         if record:
             rec = _Record(start, T, np.empty_like(cache.conv), cache._state_before, [], [])
         x = self.embed_rows(ids)  # (T, H) residual stream
-        n_layers = len(self.layers)
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
             if delta is None:
@@ -328,9 +327,7 @@ class Qwen35Model(TargetBase):
             delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
             if tap_out is not None and li in self._tap_slot:
                 x, delta = x + delta, None
-                tap = x if li < n_layers - 1 else ops.rms_norm(x, self.norm, eps, offset=1.0)  # HF: last is normed
-                for slot in self._tap_slot[li]:
-                    tap_out[:, slot * c.hidden_size : (slot + 1) * c.hidden_size] = tap
+                self._write_taps(tap_out, li, x, norm_offset=1.0)  # Qwen3.5's zero-centred final norm
         cache.length = start + T
         cache._rec = rec
         if not want_hidden:

@@ -36,6 +36,7 @@ cdef extern from "dk_dense.h" nogil:
     void dk_rope_row(const float *x, const float *c, const float *s, long half, long d, float *o)
 
 cdef extern from "dk_bf16dot.h" nogil:
+    unsigned short dk_bf16_rne(unsigned int u)
     int DK_DP_BUILT, DK_DP_MR
     void dk_round_rows(long n, const float *x, int parts, float *xr)
     long dk_dp_ldx(long K)

@@ -19,9 +19,7 @@ cdef inline unsigned short _to_bf16(float f) noexcept nogil:
     """float32 -> bf16 bits, round to nearest even; NaN -> 0x7FC0 (as _tensors.f32_to_bf16)."""
     cdef unsigned int u
     memcpy(&u, &f, 4)
-    if f != f:
-        return 0x7FC0
-    return <unsigned short>((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    return 0x7FC0 if f != f else dk_bf16_rne(u)
 
 
 def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const wtype[::1] w_qkv,

@@ -8,14 +8,10 @@ import tempfile
 import pytest
 
 import dflash_kernels as dk
-from dflash_kernels.model.defaults import find_smollm2
 
 # The tests never read this user's tuning results (`dflash tune`'s k, `tune-kernels`' delegations):
-# they would change the k that generate drafts by default, or send matmuls to torch. A fresh cache
-# directory for the session; the SmolLM2 file, when fetched, is still found where it is.
-_gguf = find_smollm2()
-if _gguf is not None:
-    os.environ.setdefault("DFLASH_SMOLLM2_GGUF", str(_gguf))
+# they would change the k that generate drafts by default, or send matmuls to torch. A fresh
+# DFLASH_CACHE_DIR for the session (fetched model files live under DFLASH_CACHE, untouched).
 os.environ["DFLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_CACHE_DIR"], True)
 from checkpoints import ckpt_dir  # noqa: E402, F401  (fixture, shared by the tests/test_model_*.py files)

@@ -9,9 +9,13 @@ from hypothesis import given, strategies as st
 import dflash_kernels as dk
 from dflash_kernels.layers import compose_drafter_layer, compose_qwen3_layer
 from dflash_kernels.reference import attention as ref_attn, dense as ref
-from support import TOLERANCE_LONG, as_f64, assert_close, make_float
+from support import KERNEL_CASES, TOLERANCE_LONG, as_f64, assert_close, make_float
 
 SEEDS = st.integers(0, 2**32 - 1)
+# the fused kernel is Cython's: its bit-identity runs at each tier of this machine (Numba composes the
+# ops itself, which test_*_matches_reference checks)
+CYTHON_TIERS = pytest.mark.parametrize("kernel_backend", [c for c in KERNEL_CASES if c.startswith("cython")],
+                                       indirect=True)
 
 
 def _layer_weights(rng, H, Hq, Hkv, D, inter, dtype, qk_norm=True, prefix=""):
@@ -66,11 +70,9 @@ def _case(cfg, seed, causal=True):
     return w, layer, x, cache, make_float(rng, cache.shape, cfg["kv"]), freq
 
 
-@pytest.mark.skipif("cython" not in dk.available_backends(), reason="the fused kernel is Cython's")
+@CYTHON_TIERS
 @given(cfg=CONFIGS, seed=SEEDS)
 def test_qwen3_layer_equals_composition_bit_for_bit(kernel_backend, cfg, seed):
-    if kernel_backend != "cython":
-        return  # Numba runs the composition itself (test_qwen3_layer_matches_reference)
     _, layer, x, k0, v0, _ = _case(cfg, seed)
     assert layer.fused
     kw = dict(precision=cfg["precision"], n_threads=cfg["threads"], backend="cython")
@@ -83,11 +85,9 @@ def test_qwen3_layer_equals_composition_bit_for_bit(kernel_backend, cfg, seed):
     np.testing.assert_array_equal(k1[cfg["start"] + x.shape[0]:], k0[cfg["start"] + x.shape[0]:])  # nothing else
 
 
-@pytest.mark.skipif("cython" not in dk.available_backends(), reason="the fused kernel is Cython's")
+@CYTHON_TIERS
 @given(cfg=CONFIGS, causal=st.booleans(), seed=SEEDS)
 def test_drafter_layer_equals_composition_bit_for_bit(kernel_backend, cfg, causal, seed):
-    if kernel_backend != "cython":
-        return
     _, layer, x, k0, v0, _ = _case(cfg, seed, causal)
     k_ctx, v_ctx = k0[:cfg["start"]], v0[:cfg["start"]]  # the injected context
     kw = dict(precision=cfg["precision"], n_threads=cfg["threads"], backend="cython")
