@@ -41,7 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
-PUBLISHED_TAU = {15: 6.93}  # Qwen3.5-9B-DFlash on HumanEval (docs/dflash.md 8), as in bench/scale.py
+PUBLISHED_TAU = {15: 6.93}
+ONEDNN_ISA = {"amx": "AVX512_CORE_AMX", "avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE",
+              "avx2": "AVX2"}  # Qwen3.5-9B-DFlash on HumanEval (docs/dflash.md 8), as in bench/scale.py
 
 
 def _preload_libs() -> list[str]:
@@ -122,7 +124,7 @@ def child(args) -> dict:
         dn.append(c)
     res = {"mode": args.mode, "vllm": vllm.__version__, "torch": torch.__version__, "load_s": t_load,
            "t1_s": t1, "tn_s": tn, "t1_median_s": statistics.median(t1), "tn_median_s": statistics.median(tn),
-           "tokens_head": tokens[:16]}
+           "tokens": tokens}
     span = res["tn_median_s"] - res["t1_median_s"]
     if args.mode == "ar":
         res["ar_step_s"] = span / (n - 1)
@@ -148,6 +150,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="ar,dflash", help="comma list of ar, dflash")
     ap.add_argument("--no-preload", action="store_true", help="don't LD_PRELOAD tcmalloc / libiomp5")
+    ap.add_argument("--plugin", choices=("off", "on", "both"), default="off",
+                    help="this library's vLLM plugin (DFLASH_VLLM): off, on, or both one after the other")
+    ap.add_argument("--isa", choices=tuple(ONEDNN_ISA),
+                    help="cap both: DFLASH_ISA, ONEDNN_MAX_CPU_ISA, and below amx torch's AMX check (vLLM's)")
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one engine in this (child) process
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -165,10 +171,44 @@ def main(argv=None) -> int:
     preload = [] if args.no_preload else _preload_libs()
     if preload:
         env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    hide_amx = None
+    if args.isa:
+        env.update(DFLASH_ISA=args.isa, ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa])
+        if args.isa != "amx":  # vLLM asks torch, not oneDNN, whether AMX exists: answer no in every process
+            hide_amx = tempfile.mkdtemp(prefix="vllm_no_amx_")
+            Path(hide_amx, "sitecustomize.py").write_text(
+                "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n")
+            env["PYTHONPATH"] = ":".join(p for p in (hide_amx, env.get("PYTHONPATH", "")) if p)
     summary = {"target": str(args.target), "drafter": str(args.drafter), "k": args.k, "threads": args.threads,
                "omp_bind": env["VLLM_CPU_OMP_THREADS_BIND"], "kv_space_gib": args.kv_space,
                "ld_preload": env.get("LD_PRELOAD", ""), "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "repeats": args.repeats}
+               "new_tokens": args.new_tokens, "repeats": args.repeats, "isa": args.isa or "native"}
+    settings = {"off": [False], "on": [True], "both": [False, True]}[args.plugin]
+    for plugin in settings:
+        env["DFLASH_VLLM"] = "1" if plugin else "0"
+        measured = _measure(args, env)
+        if measured is None:
+            return 1
+        summary["plugin" if plugin else "vllm"] = measured
+    if len(settings) == 2:
+        base, plug = summary["vllm"], summary["plugin"]
+        ratio = {key: plug[key] / base[key] if base.get(key) and plug.get(key) else None
+                 for key in ("ar_step_s", "round_s")}
+        summary["plugin_vs_vllm"] = {"ar_step": ratio["ar_step_s"], "round": ratio["round_s"]}
+        for mode in base["runs"]:
+            a, b = base["runs"][mode]["tokens"], plug["runs"][mode]["tokens"]
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            summary["plugin_vs_vllm"][f"{mode}_tokens_equal_before_divergence"] = f"{first}/{len(a)}"
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def _measure(args, env) -> dict | None:
+    """Both modes (ar, dflash) in child processes with this environment; their summary."""
+    tag = "plugin" if env.get("DFLASH_VLLM") == "1" else "vllm"
     runs = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -176,30 +216,26 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), args.target, args.drafter, "--k", str(args.k),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                "--repeats", str(args.repeats), "--mode", mode, "--result", result]
-        print(f"[vllm_round] {mode}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        print(f"[vllm_round] {tag} {mode}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         rc = subprocess.run(cmd, env=env, stdout=sys.stderr).returncode
         if rc != 0:
-            print(f"[vllm_round] {mode} child failed with exit code {rc}", file=sys.stderr)
-            return rc
+            print(f"[vllm_round] {tag} {mode} child failed with exit code {rc}", file=sys.stderr)
+            return None
         runs[mode] = json.loads(Path(result).read_text())
         os.unlink(result)
-    summary["vllm"] = next(iter(runs.values()))["vllm"] if runs else None
-    summary["ar_step_s"] = runs.get("ar", {}).get("ar_step_s")
+    out = {"vllm": next(iter(runs.values()))["vllm"] if runs else None,
+           "ar_step_s": runs.get("ar", {}).get("ar_step_s")}
     d = runs.get("dflash", {})
-    summary.update(round_s=d.get("round_s"), tau=d.get("tau"), rounds=d.get("rounds"),
-                   tokens_per_round=d.get("tokens_per_round"))
-    if summary["ar_step_s"] and summary["round_s"]:
-        summary["round_vs_ar"] = summary["round_s"] / summary["ar_step_s"]
-        if summary["tau"]:
-            summary["projected_measured_tau"] = summary["tau"] * summary["ar_step_s"] / summary["round_s"]
+    out.update(round_s=d.get("round_s"), tau=d.get("tau"), rounds=d.get("rounds"),
+               tokens_per_round=d.get("tokens_per_round"))
+    if out["ar_step_s"] and out["round_s"]:
+        out["round_vs_ar"] = out["round_s"] / out["ar_step_s"]
+        if out["tau"]:
+            out["projected_measured_tau"] = out["tau"] * out["ar_step_s"] / out["round_s"]
         if args.k in PUBLISHED_TAU:
-            summary["projected_published"] = PUBLISHED_TAU[args.k] * summary["ar_step_s"] / summary["round_s"]
-    summary["runs"] = runs
-    line = json.dumps(summary)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+            out["projected_published"] = PUBLISHED_TAU[args.k] * out["ar_step_s"] / out["round_s"]
+    out["runs"] = runs
+    return out
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -72,6 +73,33 @@ class PackedWeight:
     def __repr__(self) -> str:
         dt = "bfloat16" if self.dtype == np.uint16 else "float32"
         return f"PackedWeight(shape={self.shape}, dtype={dt})"
+
+    def to_tensor(self):
+        """``data`` as a 1-D torch tensor sharing its memory (torch.bfloat16 for bf16 weights, else
+        float32): the form ``torch.ops.dflash.linear_packed`` takes, with ``shape`` and ``finite``."""
+        import torch
+
+        with warnings.catch_warnings():  # read-only by design: nothing writes through this tensor
+            warnings.simplefilter("ignore", UserWarning)
+            if self.dtype == np.uint16:
+                return torch.from_numpy(self.data.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(self.data)
+
+    @classmethod
+    def from_data(cls, data: Array, shape: tuple[int, int], finite: bool = True) -> PackedWeight:
+        """The inverse of ``to_tensor``: wrap packed values (1-D, bf16 or float32) of an (N, K)
+        weight without copying. The length must be that of ``pack_weight``'s layout."""
+        d = float_array(data, "packed", ndim=1)
+        n, k = (int(s) for s in shape)
+        if n < 0 or k < 0:
+            raise ValueError(f"shape must be (N, K) with N, K >= 0, got {shape}")
+        n16 = -(-n // PANEL)
+        want = n16 * PANEL * (-(-k // 32) * 32 if d.dtype == np.uint16 else k)
+        if d.size != want:
+            kind = "bf16" if d.dtype == np.uint16 else "float32"
+            raise ValueError(f"packed has {d.size} values, but a packed {kind} weight of shape ({n}, {k}) "
+                             f"has {want}")
+        return cls((n, k), d.dtype, d, bool(finite))
 
 
 def pack_weight(weight: Array) -> PackedWeight:

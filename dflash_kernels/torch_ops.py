@@ -9,8 +9,9 @@ Outputs are fresh tensors, float32 for values (bf16 inputs are read as bf16 and 
 as everywhere in the library) and int64 for token ids and counts.
 
 Not ops: ``prepare_weight`` / ``pack_weight`` and ``prepare_qwen3_layer`` build Python objects
-(packed weights, prepared layers) that a schema cannot carry; ``linear`` here takes the plain
-(N, K) weight.
+(packed weights, prepared layers) that a schema cannot carry. ``linear`` takes the plain (N, K)
+weight; ``linear_packed`` takes a packed one as a tensor (``PackedWeight.to_tensor()``) plus its
+shape, which is how the vLLM plugin calls it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, precision: str
 @linear.register_fake
 def _(x, weight, bias=None, precision=None):
     return _new(x, (*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("dflash::linear_packed", mutates_args=())
+def linear_packed(x: Tensor, packed: Tensor, n: int, k: int, finite: bool = True, bias: Tensor | None = None,
+                  precision: str | None = None, n_threads: int | None = None) -> Tensor:
+    """``linear`` with a weight packed once: ``packed`` is ``PackedWeight.to_tensor()`` of an (n, k)
+    weight, ``finite`` its ``finite`` flag (what an engine keeps per layer instead of the weight).
+    n_threads: as ``linear``'s (an engine that sets its own thread count passes it)."""
+    return _t(dense.linear(x, dense.PackedWeight.from_data(packed, (n, k), finite), bias, precision=precision,
+                           n_threads=n_threads))
+
+
+@linear_packed.register_fake
+def _(x, packed, n, k, finite=True, bias=None, precision=None, n_threads=None):
+    return _new(x, (*x.shape[:-1], n))
 
 
 @torch.library.custom_op("dflash::rms_norm", mutates_args=())
@@ -246,6 +262,6 @@ def _(o, gate):
     return _new(o, gate.shape)
 
 
-OPS = (linear, rms_norm, rms_norm_residual, apply_rope, silu_and_mul, cached_attention, injected_kv_attention,
-       denoise_block, make_draft_block, accept_greedy, rejection_sample, filtered_probs, gated_delta_rule,
-       causal_conv1d, conv_state_at, gated_rms_norm, split_query_gate, apply_output_gate)
+OPS = (linear, linear_packed, rms_norm, rms_norm_residual, apply_rope, silu_and_mul, cached_attention,
+       injected_kv_attention, denoise_block, make_draft_block, accept_greedy, rejection_sample, filtered_probs,
+       gated_delta_rule, causal_conv1d, conv_state_at, gated_rms_norm, split_query_gate, apply_output_gate)

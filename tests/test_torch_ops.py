@@ -23,6 +23,9 @@ def _cases():
     logits = randn(2, 5, V) * 3
     yield torch_ops.linear, (randn(3, H), randn(48, H, dtype=bf)), {}
     yield torch_ops.linear, (randn(2, 3, H), randn(48, H), randn(48)), {"precision": "medium"}
+    for w, extra in ((randn(40, 50, dtype=bf), {}), (randn(33, H), {"bias": randn(33), "precision": "high"})):
+        pw = dk.pack_weight(w)
+        yield torch_ops.linear_packed, (randn(3, w.shape[1]), pw.to_tensor(), *pw.shape, pw.finite), extra
     yield torch_ops.rms_norm, (randn(T, H), randn(H)), {"eps": 1e-5}
     yield torch_ops.rms_norm_residual, (randn(T, H), randn(T, H), randn(H)), {}
     yield torch_ops.apply_rope, (randn(T, 4, D), torch.arange(7, 7 + T), 1e4), {}
@@ -76,6 +79,9 @@ def test_op_equals_the_public_function(case):
         expect = dk.rms_norm(args2[0], args2[2], *args2[3:], residual=args2[1], **kwargs)
     elif name == "rejection_sample":
         expect = dk.rejection_sample(args2[0], args2[1], uniforms=args2[2], **kwargs)
+    elif name == "linear_packed":  # the plain weight, unpacked from the tensor form
+        w = dk.PackedWeight.from_data(args2[1], (args2[2], args2[3])).unpack()
+        expect = dk.linear(args2[0], dk.pack_weight(w), **kwargs)
     elif name == "apply_rope" and "inv_freq" in kwargs:
         expect = dk.apply_rope(*args2, **{**kwargs, "inv_freq": kwargs["inv_freq"].numpy()})
     elif name in ("denoise_block", "filtered_probs", "split_query_gate"):
@@ -86,6 +92,18 @@ def test_op_equals_the_public_function(case):
     expect = expect if isinstance(expect, tuple) else (expect,)
     for g, e in zip(got, expect, strict=True):
         np.testing.assert_array_equal(g.numpy(), np.asarray(e))
+
+
+def test_linear_packed_matches_torch_and_names_a_bad_length():
+    w = randn(70, 96, dtype=torch.bfloat16)
+    pw = dk.pack_weight(w)
+    x = randn(4, 96)
+    got = torch.ops.dflash.linear_packed(x, pw.to_tensor(), 70, 96, pw.finite, None, "highest")
+    torch.testing.assert_close(got, x @ w.float().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"packed has .* values.*\(90, 96\)"):
+        torch.ops.dflash.linear_packed(x, pw.to_tensor(), 90, 96)
+    with pytest.raises(TypeError, match="packed must have dtype"):
+        torch.ops.dflash.linear_packed(x, pw.to_tensor().view(torch.int16), 70, 96)
 
 
 def test_mutated_state_is_updated_in_place():
