@@ -11,7 +11,8 @@ Environment switches:
                            -march=<value> (e.g. "native") instead of the tiers; it is used as is
   DFLASH_TIERS=a,b         build only these tiers (developers: faster rebuilds)
   DFLASH_ONLY=stem         build only pyx/<stem>.pyx (developers)
-  DFLASH_DEBUG=1           bounds-checked, -O1 -g build (Cython boundscheck on, _FORTIFY_SOURCE)
+  DFLASH_DEBUG=1           bounds-checked, -O1 -g build: Cython boundscheck, _FORTIFY_SOURCE and
+                           AddressSanitizer (run with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
 """
 
 import os
@@ -43,7 +44,12 @@ TIERS = {
 # Reassociation lets gcc vectorise float reductions; deliberately NOT -ffast-math, whose
 # -ffinite-math-only would break the -inf masks and NaN checks the kernels rely on.
 FLOAT_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
-OPT_FLAGS = ["-O1", "-g", "-D_FORTIFY_SOURCE=2"] if DEBUG else ["-O3"]
+# DFLASH_DEBUG: AddressSanitizer catches an out-of-bounds read or write in the C kernels (the headers'
+# pointer arithmetic, which Cython's boundscheck never sees). Python must load the ASan runtime first:
+# LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (what .ci/run does).
+SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"]
+OPT_FLAGS = ["-O1", "-g", "-D_FORTIFY_SOURCE=2", *SANITIZE] if DEBUG else ["-O3"]
+LINK_FLAGS = ["-fsanitize=address"] if DEBUG else []
 
 
 def _openmp_flags():
@@ -101,6 +107,9 @@ def _extensions():
             if ONLY is None or pyx.stem == ONLY
         ],
         language_level=3,
+        # debug C (boundscheck on) apart from the release C: Cython does not regenerate a .c when only
+        # the directives change, so a release build after a debug one would reuse the checked code
+        build_dir="build/debug-c" if DEBUG else None,
         compiler_directives={
             "boundscheck": DEBUG,
             "wraparound": False,
@@ -120,7 +129,7 @@ def _extensions():
                 list(ext.sources),
                 include_dirs=[np.get_include(), str(HERE / "pyx")],
                 extra_compile_args=[*OPT_FLAGS, *march, *FLOAT_FLAGS, *omp_compile],
-                extra_link_args=omp_link,
+                extra_link_args=[*omp_link, *LINK_FLAGS],
                 # the kernels live in headers: an edit to one rebuilds the modules
                 depends=[str(h.relative_to(HERE)) for pat in ("*.h", "*.pxi")
                          for h in sorted((HERE / "pyx").glob(pat))],

@@ -82,6 +82,21 @@ def resolve(backend: str | None, family: str) -> tuple[str, ModuleType]:
         backend = "auto"
     if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    # Memo keyed on everything the answer depends on (the ISA cap and DFLASH_BACKEND are read every
+    # call, so changing them takes effect): this runs on every public call, and uncached it cost
+    # ~10 us of the ~13 us a tiny op takes (bench/validation_cost.py).
+    key = (backend, family, os.environ.get("DFLASH_BACKEND"), _isa.current_cap())
+    hit = _resolved.get(key)
+    if hit is not None:
+        return hit
+    _resolved[key] = found = _resolve(backend, family)
+    return found
+
+
+_resolved: dict[tuple, tuple[str, ModuleType]] = {}
+
+
+def _resolve(backend: str, family: str) -> tuple[str, ModuleType]:
     if backend != "auto":
         mod = _load(backend, family)
         if isinstance(mod, Exception):

@@ -11,7 +11,7 @@ from ._autotune import delegates, torch_linear
 from ._backends import resolve
 from ._dispatch import run
 from ._precision import parts as precision_parts
-from ._tensors import Array, dtype_name, f32_array, float_array, index_array, is_torch, wrap
+from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_torch, wrap
 from ._threads import resolve_threads
 
 
@@ -117,13 +117,17 @@ def pack_weight(weight: Array) -> PackedWeight:
             padded[:n, :k] = w
             w = padded
         words = np.ascontiguousarray(w).view(np.uint32)  # (N16 * 16, K2)
-        data = np.ascontiguousarray(words.reshape(n16, PANEL, k2).transpose(0, 2, 1)).view(np.uint16).ravel()
+        panels = hugepage_empty((n16, k2, PANEL), np.uint32)
+        panels[...] = words.reshape(n16, PANEL, k2).transpose(0, 2, 1)
+        data = panels.view(np.uint16).ravel()
     else:
         if n % PANEL:
             padded = np.zeros((n16 * PANEL, k), np.float32)
             padded[:n] = w
             w = padded
-        data = np.ascontiguousarray(w.reshape(n16, PANEL, k).transpose(0, 2, 1)).ravel()
+        panels = hugepage_empty((n16, k, PANEL), np.float32)
+        panels[...] = w.reshape(n16, PANEL, k).transpose(0, 2, 1)
+        data = panels.ravel()
     data.flags.writeable = False
     # bf16: exponent bits all ones = inf or NaN
     finite = bool(np.isfinite(w).all()) if w.dtype != np.uint16 else not ((w & 0x7F80) == 0x7F80).any()

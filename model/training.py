@@ -104,8 +104,33 @@ def save_drafter(model: DFlashDrafter, out: Path, target_cfg: dict, taps: list[i
 
 
 def default_taps(n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """The default tap rule (docs/dflash.md 6), clamped into range for tiny targets (L < 4)."""
-    return [min(max(i, 0), n_target_layers - 1) for i in default_target_layer_ids(n_target_layers, n_draft_layers)]
+    """The default tap rule (docs/dflash.md 6), clamped into range for tiny targets (L < 4), each layer
+    once: for L = 4 the rule gives [1, 1], and vLLM, which gathers each tapped layer once, then finds
+    fewer features than ``fc`` takes and refuses the drafter."""
+    ids = [min(max(i, 0), n_target_layers - 1) for i in default_target_layer_ids(n_target_layers, n_draft_layers)]
+    return sorted(set(ids))
+
+
+def merge_repeated_taps(drafter_dir) -> list[int]:
+    """Rewrite a drafter whose ``target_layer_ids`` repeat a layer (e.g. [1, 1]) to tap each layer
+    once: the ``fc`` column blocks of a repeated layer read the same features, so they are summed
+    (in float32, stored bf16). Same function up to that rounding; engines that gather each layer
+    once (vLLM) then load it. Returns the new ids."""
+    from safetensors.torch import load_file
+
+    d = Path(drafter_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    ids = cfg["dflash_config"]["target_layer_ids"]
+    tensors = load_file(str(d / "model.safetensors"))
+    fc = tensors["fc.weight"].float()
+    hidden = fc.shape[1] // len(ids)
+    merged = sorted(set(ids))
+    blocks = [sum(fc[:, i * hidden:(i + 1) * hidden] for i, t in enumerate(ids) if t == layer) for layer in merged]
+    tensors["fc.weight"] = torch.cat(blocks, dim=1).to(torch.bfloat16).contiguous()
+    cfg["dflash_config"]["target_layer_ids"] = merged
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return merged
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -140,11 +140,13 @@ def rejection_sample(const int64_t[:, ::1] drafts, logits, draft_probs, const in
         lf = logits
         qf = draft_probs if has_q else np.zeros((1, 1, 1), np.float32)
         with nogil:
-            run_batch(drafts, &lf[0, 0, 0], &qf[0, 0, 0], has_q, v_sz, num_draft, u, num_accepted, out, status,
-                      inv_t, greedy, top_k, top_p, scratch, sums)
+            run_batch(drafts, &lf[0, 0, 0] if lf.shape[0] else NULL,  # B = 0 or k = 0: nothing to read
+                      &qf[0, 0, 0] if qf.shape[0] * qf.shape[1] else NULL, has_q, v_sz, num_draft, u, num_accepted, out,
+                      status, inv_t, greedy, top_k, top_p, scratch, sums)
     else:
         lu = logits
         qu = draft_probs if has_q else np.zeros((1, 1, 1), np.uint16)
         with nogil:
-            run_batch(drafts, &lu[0, 0, 0], &qu[0, 0, 0], has_q, v_sz, num_draft, u, num_accepted, out, status,
-                      inv_t, greedy, top_k, top_p, scratch, sums)
+            run_batch(drafts, &lu[0, 0, 0] if lu.shape[0] else NULL,  # B = 0 or k = 0: nothing to read
+                      &qu[0, 0, 0] if qu.shape[0] * qu.shape[1] else NULL, has_q, v_sz, num_draft, u, num_accepted, out,
+                      status, inv_t, greedy, top_k, top_p, scratch, sums)

@@ -82,8 +82,8 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef const float *src
     # (const views so that a drafter's read-only context is accepted; append writes only where the
     # caller checked the cache writable)
-    cdef ctype *kc = <ctype *> &k_cache[0, 0, 0]
-    cdef ctype *vc = <ctype *> &v_cache[0, 0, 0]
+    cdef ctype *kc = <ctype *> &k_cache[0, 0, 0] if k_cache.shape[0] else NULL  # a drafter's empty context
+    cdef ctype *vc = <ctype *> &v_cache[0, 0, 0] if v_cache.shape[0] else NULL
     cdef int nt_h = _threads(n_h, PARALLEL_ELEMS, n_threads)
     cdef int nt_qk = _threads(T * (qd + kvd), PARALLEL_ELEMS, n_threads)
     cdef int nt_i = _threads(T * I, PARALLEL_ELEMS, n_threads)

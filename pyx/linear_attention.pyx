@@ -234,7 +234,7 @@ def causal_conv1d(const float[:, ::1] x, const float[:, ::1] weight, state_in, f
         n = <int>(C - c0 if C - c0 < CONV_CB else CONV_CB)
         la_conv_block(xp + c0 if xp != NULL else NULL, C, &weight[c0, 0], sp + c0 * km1 if sp != NULL else NULL,
                       yp + c0 if yp != NULL else NULL, C, cp + c0 * km1 if cp != NULL else NULL, C * km1, T, n, K,
-                      silu, &scratch[tid, 0], &scratch[tid, K * CONV_CB])
+                      silu, &scratch[tid, 0], &scratch[tid, 0] + K * CONV_CB)  # sT: (K-1) rows, none when K = 1
 
 
 def gated_rms_norm(const float[:, ::1] x, const float[:, ::1] z, const float[::1] weight, float[:, ::1] out, *,

@@ -231,3 +231,21 @@ def test_packed_infinite_weights_follow_ieee():
         got = dk.linear(x, p, precision=precision, backend="cython")
         assert np.array_equal(got[:, 3], np.where(x[:, 5] > 0, np.inf, -np.inf)), precision
         assert np.isfinite(np.delete(got, 3, axis=1)).all()
+
+
+def test_large_packed_weights_sit_on_aligned_huge_page_memory():
+    """Weights of 2 MiB and more are packed into a 2 MiB aligned private mapping advised for huge
+    pages (dflash_kernels._tensors.hugepage_empty); smaller ones into ordinary numpy memory. Either
+    way the values round-trip and the kernel reads them."""
+    from dflash_kernels._tensors import HUGE_PAGE, hugepage_empty
+
+    big = dk.pack_weight(make_float(np.random.default_rng(3), (1024, 1040), "bfloat16"))
+    assert big.data.ctypes.data % HUGE_PAGE == 0 and big.data.nbytes >= HUGE_PAGE
+    small = hugepage_empty((3, 5), np.float32)
+    assert small.shape == (3, 5) and small.base is None  # plain np.empty
+    assert isinstance(np.asarray(big.data).base, np.ndarray)  # a view into the mapping
+    w = torch.randn(700, 1030).to(torch.bfloat16)
+    pw = dk.pack_weight(w)
+    assert np.array_equal(pw.unpack(), w.view(torch.int16).numpy().view(np.uint16))
+    x = torch.randn(2, 1030)
+    torch.testing.assert_close(dk.linear(x, pw, precision="highest"), x @ w.float().T, rtol=1e-5, atol=1e-4)

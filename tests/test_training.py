@@ -158,3 +158,28 @@ def test_mask_token_is_an_unused_row_or_an_unused_special_token():
     tok.add_special_tokens(["<eos>", "<x>", "<y>"])  # ids 2, 3, 4
     assert T.mask_token_id({"vocab_size": 8}, tok) == 7  # a padded embedding row
     assert T.mask_token_id({"vocab_size": 5, "eos_token_id": 2, "bos_token_id": 4}, tok) == 3
+
+
+def test_default_taps_tap_each_layer_once():
+    assert T.default_taps(4, 2) == [1]  # the rule's [1, 1]: vLLM gathers each layer once
+    assert T.default_taps(30, 3) == [1, 14, 27]
+
+
+def test_merge_repeated_taps_sums_the_fc_blocks(tmp_path):
+    from checkpoints import write_dflash, write_qwen3
+    from safetensors.torch import load_file
+
+    from dflash_kernels.model import load
+
+    target = write_qwen3(tmp_path / "t", layers=3)
+    drafter = write_dflash(tmp_path / "d", target, target_layer_ids=(0, 2, 0))
+    fc = load_file(str(drafter / "model.safetensors"))["fc.weight"].float()
+    h = fc.shape[1] // 3
+    assert T.merge_repeated_taps(drafter) == [0, 2]
+    assert json.loads((drafter / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 2]
+    merged = load_file(str(drafter / "model.safetensors"))["fc.weight"]
+    want = torch.cat([fc[:, :h] + fc[:, 2 * h:], fc[:, h:2 * h]], dim=1).to(torch.bfloat16)
+    assert torch.equal(merged, want)
+    engine = load(target, drafter)
+    ids = engine.generate([5, 9, 11], 12, num_speculative_tokens=4, ignore_eos=True).token_ids
+    assert ids == engine.generate([5, 9, 11], 12, num_speculative_tokens=0, ignore_eos=True).token_ids

@@ -40,10 +40,10 @@ def pair(tmp_path_factory):
     return target, drafter
 
 
-def run_vllm(target, drafter, k: int, plugin_on: bool) -> dict:
+def run_vllm(target, drafter, k: int, plugin_on: bool, prompt=PROMPT) -> dict:
     env = dict(os.environ, DFLASH_VLLM="1" if plugin_on else "0", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, str(RUN_VLLM), str(target), "--drafter", str(drafter), "--k", str(k), "--dtype", "float32",
-           "--prompt", ",".join(map(str, PROMPT)), "--new", str(NEW)]
+           "--prompt", ",".join(map(str, prompt)), "--new", str(NEW)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,6 +65,19 @@ def test_plugin_tokens_equal_vllm_and_ours(pair, ours, k):
     assert not without["active"] and without["linear_layers"] == 0 and without["greedy_rounds"] == 0
     assert len(set(ours)) > 8  # a continuation worth comparing
     assert with_plugin["tokens"] == without["tokens"] == list(ours)
+
+
+def test_vllm_loads_the_shipped_pair():
+    """The pair this project ships (model/default) loads in vLLM as a DFlash pair; in float32, with and
+    without the plugin, its greedy tokens are this library's."""
+    from dflash_kernels.model import default_model_dirs, load
+
+    target, drafter = default_model_dirs()
+    ids = [int(t) for t in load(target).tokenizer.encode("def parse_args(argv):\n    ")]
+    ours = load(target, drafter, precision="highest").generate(ids, NEW, num_speculative_tokens=15, ignore_eos=True)
+    for plugin_on in (False, True):
+        got = run_vllm(target, drafter, 15, plugin_on=plugin_on, prompt=ids)
+        assert got["tokens"] == list(ours.token_ids)
 
 
 @pytest.fixture
