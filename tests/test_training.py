@@ -166,9 +166,9 @@ def test_default_taps_tap_each_layer_once():
 
 
 def test_merge_repeated_taps_sums_the_fc_blocks(tmp_path):
-    from checkpoints import write_dflash, write_qwen3
     from safetensors.torch import load_file
 
+    from checkpoints import write_dflash, write_qwen3
     from dflash_kernels.model import load
 
     target = write_qwen3(tmp_path / "t", layers=3)
