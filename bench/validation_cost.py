@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import dflash_kernels as dk
 from dflash_kernels import acceptance, attention, denoise, dense, linear_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scale import _median  # noqa: E402  (median of n calls after a warm-up, as every bench script here)
 
 MODULES = (acceptance, attention, denoise, dense, linear_attention)
 BACKEND = "cython"  # kernel_module's: the compiled kernels of the active tier
@@ -66,24 +69,13 @@ def capture(name, args, kwargs, backend):
     return getattr(dk.kernel_module(family, backend), op), inputs, outs, params
 
 
-def median_us(fn, reps: int) -> float:
-    for _ in range(min(200, reps)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t)
-    return statistics.median(times) / 1e3
-
-
 def measure(name: str, a: tuple, kw: dict, reps: int) -> dict:
     kernel, inputs, outs, params = capture(name, a, kw, BACKEND)
     ta = tuple(torch.from_numpy(x) if isinstance(x, np.ndarray) and x.dtype != np.float64 else x for x in a)
     op = getattr(dk, name)
-    public = median_us(lambda: op(*a, **kw, backend=BACKEND, n_threads=1), reps)
-    public_t = median_us(lambda: op(*ta, **kw, backend=BACKEND, n_threads=1), reps)
-    bare = median_us(lambda: kernel(*inputs, *outs, n_threads=1, **params), reps)
+    public = _median(lambda: op(*a, **kw, backend=BACKEND, n_threads=1), reps) * 1e6
+    public_t = _median(lambda: op(*ta, **kw, backend=BACKEND, n_threads=1), reps) * 1e6
+    bare = _median(lambda: kernel(*inputs, *outs, n_threads=1, **params), reps) * 1e6
     print(f"{name:22s} public {public:7.2f} us (torch {public_t:7.2f})  kernel {bare:6.2f} us  "
           f"API layer {public - bare:6.2f} / {public_t - bare:6.2f} us", flush=True)
     return {"op": name, "public_numpy_us": public, "public_torch_us": public_t, "kernel_us": bare,
