@@ -5,7 +5,7 @@ a real model streams every weight from DRAM once. This script runs `linear` over
 [qkv, o, gate_up, down] (+ the LM head) of a Qwen3 shape, M = 1 and M = 16, with the AMX path on and
 off, next to a streaming read of the same bytes (bench/scale.py's Numba sum), all in one process:
 
-    python bench/linear_dram.py --shape Qwen3-1.7B --layers 28 --threads 2
+    python bench/linear_dram.py --shape Qwen3-1.7B --layers 28 --threads 2 [--precision medium]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from dflash_kernels._precision import PRECISIONS  # noqa: E402  (name -> bf16 parts of the activations)
 from scale import SHAPES, _median, stream_read_gbs  # noqa: E402
 
 
@@ -71,7 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-head", action="store_true", help="leave out the LM head")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--precision", default="highest", choices=tuple(PRECISIONS),
+                    help="of the packed rows (the row-major rows stay \"highest\")")
     args = ap.parse_args(argv)
+    parts = PRECISIONS[args.precision]
     s = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     mats = _weights(s, args.layers, not args.no_head, rng)
@@ -111,10 +115,11 @@ def main(argv=None) -> int:
 
         def step_packed(xs=xs, outs=outs):
             for p, o in zip(packed, outs, strict=True):
-                dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=args.threads)
+                dense.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=args.threads, parts=parts)
 
         t = _median(step_packed, args.repeats)
-        print(f"M={m:2d} packed: {t * 1e3:7.1f} ms  ({n_bytes / t / 1e9:5.1f} GB/s of weights)")
+        print(f"M={m:2d} packed, {args.precision} ({dense.last_path()}): {t * 1e3:7.1f} ms  "
+              f"({n_bytes / t / 1e9:5.1f} GB/s of weights)")
     return 0
 
 

@@ -33,7 +33,8 @@ def test_shipped_pair_is_lossless_and_accepts(engine):
     taus = []
     for prompt in eval_prompts(3):
         ar = engine.generate(prompt, 64, num_speculative_tokens=0, ignore_eos=True)
-        sd = engine.generate(prompt, 64, ignore_eos=True)
+        # k fixed: the default ("auto") follows measured times, so its tau depends on the CPU
+        sd = engine.generate(prompt, 64, num_speculative_tokens=15, ignore_eos=True)
         assert sd.token_ids == ar.token_ids
         taus.append(sd.metrics.tau)
     assert sum(taus) / len(taus) >= TAU_FLOOR, taus
