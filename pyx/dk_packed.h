@@ -328,15 +328,17 @@ DK_AI void dk_pkdp_tile(const int mr, const int nv, const int parts, long q0, lo
                 for (int v = 0; v < nv; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, (__m512bh)w[v]);
             }
     }
-    float t[DK_PK_NV * DK_PK_COLS];
+    /* the epilogue runs once per K chunk: vectors, masked on the last panel of a ragged N (a scalar
+       loop here cost a tenth of an M = 16 call) */
     for (int i = 0; i < mr; i++) {
         float *o = out + i * ldo;
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(t + v * 16, acc[i][v]);
-        for (long j = 0; j < ncols; j++) {
-            float s = t[j];
-            if (!first) s += o[j];
-            if (bias) s += bias[j];
-            o[j] = s;
+        for (int v = 0; v < nv; v++) {
+            long c = ncols - v * 16;  /* >= 1: a group's last panel holds a column */
+            __mmask16 k = c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
+            __m512 s = acc[i][v];
+            if (!first) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(k, o + v * 16));
+            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(k, bias + v * 16));
+            _mm512_mask_storeu_ps(o + v * 16, k, s);
         }
     }
 }
