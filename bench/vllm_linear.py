@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         assert plugin.route_linear(ours, True)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            fns = {"vllm": lambda: theirs.cpu_linear(x, theirs.weight, None),
-                   "plugin": lambda: ours.cpu_linear(x, ours.weight, None)}
+            fns = {"vllm": lambda x=x, lay=theirs: lay.cpu_linear(x, lay.weight, None),
+                   "plugin": lambda x=x, lay=ours: lay.cpu_linear(x, lay.weight, None)}
             times = {key: [] for key in fns}
             for f in fns.values():
                 f()
@@ -72,7 +72,6 @@ def main(argv=None) -> int:
             a, b = (statistics.median(times[key]) * 1e3 for key in ("vllm", "plugin"))
             print(f"| {label} ({n} x {k}) | {m} | {a:.3f} | {b:.3f} | {b / a:.2f} | "
                   f"{dense.packed_path_name(m, True, 1)} |", flush=True)
-        del theirs, ours, w
     return 0
 
 

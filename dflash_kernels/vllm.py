@@ -115,7 +115,8 @@ def route_linear(layer, remove_weight: bool) -> bool:
     if not isinstance(packed, PackedWeight):  # no Cython kernels: vLLM's GEMM is the better one
         return False
     n, k = packed.shape
-    layer.cpu_linear = functools.partial(cpu_linear, packed=packed.to_tensor(), n=n, k=k, finite=packed.finite,
+    layer.cpu_linear = functools.partial(cpu_linear, prepared=packed, packed=packed.to_tensor(), n=n, k=k,
+                                         finite=packed.finite,
                                          precision="medium" if w.dtype == torch.bfloat16 else "highest",
                                          n_threads=_threads())
     if remove_weight:  # as vLLM's own dispatch does: the packed copy is the weight now
@@ -134,11 +135,21 @@ def _threads() -> int:
     return default_threads() if os.environ.get("DFLASH_NUM_THREADS") else torch.get_num_threads()
 
 
-def cpu_linear(x, weight, bias, *, packed, n: int, k: int, finite: bool, precision: str, n_threads: int):
-    """vLLM's ``cpu_linear(x, weight, bias)``; ``weight`` is unused (the packed copy is read)."""
+def cpu_linear(x, weight, bias, *, prepared, packed, n: int, k: int, finite: bool, precision: str, n_threads: int):
+    """vLLM's ``cpu_linear(x, weight, bias)``; ``weight`` is unused (the packed copy is read).
+
+    Traced (vLLM's torch.compile mode), it is the op ``torch.ops.dflash.linear_packed``, opaque to
+    dynamo. Run eagerly it calls ``linear`` on the prepared weight: the same kernel without the
+    dispatcher's round trip into the custom op and the rebuilt ``PackedWeight`` (about 25 us a call,
+    a tenth of a small projection's time at M = 1; bench/vllm_linear.py)."""
     import torch
 
-    y = torch.ops.dflash.linear_packed(x, packed, n, k, finite, bias, precision, n_threads)
+    from .dense import linear
+
+    if torch.compiler.is_compiling():
+        y = torch.ops.dflash.linear_packed(x, packed, n, k, finite, bias, precision, n_threads)
+    else:
+        y = linear(x, prepared, bias, precision=precision, n_threads=n_threads)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

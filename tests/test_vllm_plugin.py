@@ -94,3 +94,16 @@ def test_register_is_inert_unless_asked(monkeypatch):
     monkeypatch.setenv(plugin.ENABLE_ENV, "0")
     plugin.register()
     assert not plugin.stats()["active"]
+
+
+def test_routed_linear_is_the_op_when_traced():
+    # eager calls take the Python API on the prepared weight; under torch.compile the same layer
+    # must trace to torch.ops.dflash.linear_packed: fullgraph=True fails on a graph break, which the
+    # eager branch (numpy and Cython) would be
+    w = torch.randn(48, 64, generator=G).to(torch.bfloat16)
+    layer = Layer(w.clone())
+    assert plugin.route_linear(layer, remove_weight=True)
+    x = torch.randn(16, 64, generator=G).to(torch.bfloat16)
+    eager = layer.cpu_linear(x, layer.weight, None)
+    compiled = torch.compile(lambda t: layer.cpu_linear(t, layer.weight, None), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
