@@ -13,13 +13,12 @@ a verification or draft block), so a round's time can be split by shape:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scale import SHAPES  # noqa: E402
+from scale import SHAPES, _median  # noqa: E402
+from tiers import _median_interleaved  # noqa: E402
 
 
 def layer_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -28,6 +27,26 @@ def layer_shapes(name: str) -> list[tuple[str, int, int]]:
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     return [("qkv", q + 2 * kv, s.hidden), ("o", s.hidden, q), ("gate_up", 2 * s.intermediate, s.hidden),
             ("down", s.hidden, s.intermediate), ("lm_head", s.vocab, s.hidden)]
+
+
+def print_call_overhead(plugin, g) -> None:
+    """What a call costs beyond the kernel, at a 64 x 64 bf16 weight and one bf16 row: the layer's
+    cpu_linear (eager), the custom op it is when traced, and linear on fp32 numpy."""
+    import torch
+
+    import dflash_kernels as dk
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16), requires_grad=False)
+    assert plugin.route_linear(layer, True)
+    kw = layer.cpu_linear.keywords
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    xf = x.float().numpy()
+    us = {"cpu_linear (eager)": _median(lambda: layer.cpu_linear(x, layer.weight, None), 300) * 1e6,
+          "torch.ops.dflash.linear_packed": _median(lambda: torch.ops.dflash.linear_packed(
+              x, kw["packed"], 64, 64, True, None, "medium", kw["n_threads"]), 300) * 1e6,
+          "dk.linear, fp32 numpy": _median(lambda: dk.linear(xf, kw["prepared"], precision="medium"), 300) * 1e6}
+    print("per call at 64 x 64, M = 1: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))
 
 
 def main(argv=None) -> int:
@@ -50,6 +69,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     dense = dk.kernel_module("dense", "cython")
+    print_call_overhead(plugin, g)
     for label, n, k in layer_shapes(args.shape):
         w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
         theirs, ours = torch.nn.Module(), torch.nn.Module()
@@ -61,15 +81,8 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             fns = {"vllm": lambda x=x, lay=theirs: lay.cpu_linear(x, lay.weight, None),
                    "plugin": lambda x=x, lay=ours: lay.cpu_linear(x, lay.weight, None)}
-            times = {key: [] for key in fns}
-            for f in fns.values():
-                f()
-            for _ in range(args.rounds):
-                for key, f in fns.items():
-                    t = time.perf_counter()
-                    f()
-                    times[key].append(time.perf_counter() - t)
-            a, b = (statistics.median(times[key]) * 1e3 for key in ("vllm", "plugin"))
+            med = _median_interleaved(fns, args.rounds)
+            a, b = (med[key] * 1e3 for key in ("vllm", "plugin"))
             print(f"| {label} ({n} x {k}) | {m} | {a:.3f} | {b:.3f} | {b / a:.2f} | "
                   f"{dense.packed_path_name(m, True, 1)} |", flush=True)
     return 0

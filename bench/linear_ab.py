@@ -1,0 +1,75 @@
+"""Two builds of one tier's dense module, side by side in one process: for tuning a kernel on a noisy
+machine, where runs of the same command one after the other differ by more than the change.
+
+Build the other version in a worktree (DFLASH_TIERS=<tier> setup.py build_ext --inplace), then:
+
+    python bench/linear_ab.py /path/to/worktree/dflash_kernels/_cython/avx512_bf16/dense*.so \
+        --precision medium --rows 16
+
+The two modules' linear_packed run alternately, round by round, over the same packed weights (Qwen3
+projection shapes and a Qwen3-1.7B LM head) and their outputs are compared bit for bit; "this" is
+the module of the active tier in this checkout (cap it with DFLASH_ISA to match the other build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dflash_kernels._precision import PRECISIONS  # noqa: E402
+from tiers import BLOCK_SHAPES, _median_interleaved  # noqa: E402
+
+LM_HEAD = ("1.7B lm_head", 151936, 2048)
+
+
+def load_other(path: str):
+    """The other build's dense module, under a name of its own (its init function is PyInit_dense)."""
+    spec = importlib.util.spec_from_file_location("other_build.dense", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("other", help="the other build's dense extension module (.so) of the same tier")
+    ap.add_argument("--precision", default="medium", choices=tuple(PRECISIONS))
+    ap.add_argument("--rows", type=int, default=16, help="M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args(argv)
+
+    import dflash_kernels as dk
+
+    this, other = dk.kernel_module("dense", "cython"), load_other(args.other)
+    if other.TIER != this.TIER:
+        raise SystemExit(f"other: tier {other.TIER}, this checkout runs {this.TIER}; cap it with DFLASH_ISA")
+    for module in (this, other):  # the same path decision in both, whatever each measured
+        module.set_bf16dot_enabled(this.bf16dot_pays())
+    parts, m = PRECISIONS[args.precision], args.rows
+    rng = np.random.default_rng(0)
+    path = this.packed_path_name(m, True, parts)
+    print(f"tier {this.TIER}, {args.precision}, M = {m}, {args.threads} threads, path {path}")
+    print("| shape (N x K) | other (ms) | this (ms) | this / other |")
+    print("|---|---|---|---|")
+    for label, n, k in [*BLOCK_SHAPES, LM_HEAD]:
+        packed = dk.pack_weight(rng.integers(0x3C00, 0x3C80, size=(n, k), dtype=np.uint16))
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        outs = {"other": np.empty((m, n), np.float32), "this": np.empty((m, n), np.float32)}
+        fns = {key: (lambda mod=mod, o=outs[key], x=x, w=packed.data:
+                     mod.linear_packed(x, w, None, o, n_threads=args.threads, parts=parts))
+               for key, mod in (("other", other), ("this", this))}
+        med = _median_interleaved(fns, args.rounds)
+        a, b = (med[key] * 1e3 for key in ("other", "this"))
+        same = "" if np.array_equal(outs["other"], outs["this"]) else " (outputs differ)"
+        print(f"| {label} ({n} x {k}) | {a:.3f} | {b:.3f} | {b / a:.3f}{same} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
