@@ -73,6 +73,10 @@ cdef void sample_rows(float[:, ::1] logits, const double[::1] uniforms, int64_t[
     cdef int st
     for wk in prange(n_workers, num_threads=n_workers, schedule="static"):
         for t in range(wk * t_sz // n_workers, (wk + 1) * t_sz // n_workers):
+            # assigned in the loop, so Cython makes total private to each thread: passed only by
+            # address it was one variable shared by the workers, and a row could be drawn against
+            # another row's total (seen as irreproducible samples under the debug build)
+            total = 0.0
             st = prepare_row(&logits[t, 0], v_sz, inv_t, top_k, top_p, &sums[wk, 0], &work[wk, 0], &total)
             status[t] = st
             if st == OK:

@@ -89,6 +89,22 @@ def test_generators_are_reproducible():
                                   dk.denoise_block(x, w, generator=g2, **kw))
 
 
+@pytest.mark.parametrize("kernel", KERNEL_BACKENDS)
+def test_sampling_workers_keep_their_own_totals(kernel):
+    # Two workers sample their halves of the rows at once. Each row's draw must use that row's own
+    # total: with one total shared by the workers, rows drew against the other worker's total now
+    # and then (irreproducible samples). Many rows of very different temperatures-scaled mass, the
+    # same uniforms, repeated: every run equals the one-thread result.
+    rng = np.random.default_rng(11)
+    x = make_float(rng, (64, 64), "float32") * rng.uniform(0.1, 8.0, (64, 1)).astype(np.float32)
+    w = make_float(rng, (6000, 64), "float32")
+    u = rng.random(64)
+    want = dk.denoise_block(x, w, uniforms=u, temperature=0.9, n_threads=1, backend=kernel)
+    for _ in range(30):
+        np.testing.assert_array_equal(dk.denoise_block(x, w, uniforms=u, temperature=0.9, n_threads=2,
+                                                       backend=kernel), want)
+
+
 def test_non_finite_inputs_raise(backend):
     x, w = np.ones((2, 8), np.float32), np.ones((20, 8), np.float32)
     x[1, 3] = np.nan
