@@ -41,6 +41,8 @@ import os
 
 import numpy as np
 
+from .dense import PackedWeight, linear, prepare_weight  # loaded with the package already: free here
+
 ENABLE_ENV = "DFLASH_VLLM"
 TESTED_VLLM = ("0.32.0",)
 GREEDY_KERNEL = "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel"
@@ -106,8 +108,6 @@ def route_linear(layer, remove_weight: bool) -> bool:
     (meta, not 2-D, not float32 or bf16, empty) or where no compiled kernels run here."""
     import torch
 
-    from .dense import PackedWeight, prepare_weight
-
     w = layer.weight
     if w.is_meta or w.ndim != 2 or w.dtype not in (torch.float32, torch.bfloat16) or not w.numel():
         return False
@@ -140,11 +140,9 @@ def cpu_linear(x, weight, bias, *, prepared, packed, n: int, k: int, finite: boo
 
     Traced (vLLM's torch.compile mode), it is the op ``torch.ops.dflash.linear_packed``, opaque to
     dynamo. Run eagerly it calls ``linear`` on the prepared weight: the same kernel without the
-    dispatcher's round trip into the custom op and the rebuilt ``PackedWeight`` (about 25 us a call,
-    a tenth of a small projection's time at M = 1; bench/vllm_linear.py)."""
+    dispatcher's round trip into the custom op and the rebuilt ``PackedWeight`` (bench/vllm_linear.py
+    prints both costs per call)."""
     import torch
-
-    from .dense import linear
 
     if torch.compiler.is_compiling():
         y = torch.ops.dflash.linear_packed(x, packed, n, k, finite, bias, precision, n_threads)

@@ -328,8 +328,8 @@ DK_AI void dk_pkdp_tile(const int mr, const int nv, const int parts, long q0, lo
                 for (int v = 0; v < nv; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, (__m512bh)w[v]);
             }
     }
-    /* the epilogue runs once per K chunk: vectors, masked on the last panel of a ragged N (a scalar
-       loop here cost a tenth of an M = 16 call) */
+    /* the epilogue runs once per K chunk: vectors, masked on the last panel of a ragged N (the
+       FMA tiles' epilogue is vectors too; a scalar loop over 8 x 48 outputs per chunk was slower) */
     for (int i = 0; i < mr; i++) {
         float *o = out + i * ldo;
         for (int v = 0; v < nv; v++) {
