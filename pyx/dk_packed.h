@@ -42,7 +42,11 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #define DK_PK_MR 8                     /* 8 rows x 3 panels: 24 zmm accumulators of 32 */
 #define DK_PK_NV 3
 #else
-#define DK_PK_MR 6                     /* 6 rows x 1 panel (2 ymm): 12 of 16 ymm */
+/* 4 rows x 1 panel (2 ymm): 8 of 16 ymm. 6 rows (12 accumulators) left too few registers for the
+   bf16 pair's two weight vectors, the mask and the broadcast: gcc spilled an accumulator every
+   k-pair and the tile ran at 68-71% of the FMA peak, against 85-87% with 4 rows (one thread,
+   weights in L2, Zen 4 under the avx2 tier; fp32 weights 84% -> 89%). */
+#define DK_PK_MR 4
 #define DK_PK_NV 1
 #endif
 #ifndef DK_PK_KC
@@ -66,7 +70,7 @@ static inline long dk_pk_panel_elems(long K, int bf16) {
    the chunk's sums are stored, else added to out; bias (last chunk only) is added after. */
 DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long kc, const float *x,
                       long ldx, const void *P, long pstride, int first, const float *bias, float *out,
-                      long ldo, long ncols, int pf) {
+                      long ldo, long ncols, int pf, long pfnext) {
     dk_vf acc[DK_PK_MR][DK_PK_NV * DK_PK_VPP];
     const int nvec = nv * DK_PK_VPP;
     for (int i = 0; i < mr; i++)
@@ -83,6 +87,9 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             if (pf)
                 for (int v = 0; v < nvec; v += DK_PK_VPP)
                     __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + q * 32 + DK_PK_PF / 2, 0, 3);
+            if (pfnext)
+                for (int v = 0; v < nvec; v += DK_PK_VPP)
+                    __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + q * 32 + pfnext, 0, 2);
             for (int v = 0; v < nvec; v++) {
                 memcpy(&u[v], p + (v / DK_PK_VPP) * pstride + q * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u[v]);
                 w[v] = (dk_vf)(u[v] << 16);
@@ -112,6 +119,9 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             dk_vf w[DK_PK_NV * DK_PK_VPP];
             for (int v = 0; v < nvec; v++)
                 w[v] = dk_load(p + (v / DK_PK_VPP) * pstride + k * DK_PK_COLS + (v % DK_PK_VPP) * DK_VW);
+            if (pfnext)
+                for (int v = 0; v < nvec; v += DK_PK_VPP)
+                    __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + k * DK_PK_COLS + pfnext, 0, 2);
             for (int i = 0; i < mr; i++) {
                 dk_vf xb = (dk_vf){0} + x[i * ldx + k0 + k];
                 for (int v = 0; v < nvec; v++) acc[i][v] += xb * w[v];
@@ -141,13 +151,26 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
     }
 }
 
+/* Where the last row tile of a K chunk prefetches from, relative to the chunk (in elements of the
+   panel; 0: no prefetch): the same panels' next chunk, or after the last chunk the next group's
+   first. Into L2 while that tile computes from L1, so that DRAM streams all the time: without it
+   a chunk's first row tile waited on DRAM and the others on nothing. With one row tile (M <= MR)
+   there is no later tile to overlap with. Measured on Zen 4 at M = 16 with the weights in DRAM:
+   vdpbf16ps tile 1.14-1.16x (Qwen3-1.7B shapes), avx2 FMA tile (one panel, one stream) 1.22-1.25x,
+   the avx512 FMA tile, which the FMA rate bounds, unchanged; into L1, or from every row tile, was
+   slower. at: the chunk's offset in its panel; chunk: elements per chunk. */
+static inline long dk_pk_next_chunk(long M, long i, int last, int nv, long pstride, long at, long chunk) {
+    if (M <= DK_PK_MR || i + DK_PK_MR < M) return 0;
+    return last ? nv * pstride - at : chunk;
+}
+
 /* mr and nv as compile-time constants (accumulators in registers) */
 static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const float *x, long ldx,
                            const void *P, long pstride, int first, const float *bias, float *out,
-                           long ldo, long ncols, int pf) {
+                           long ldo, long ncols, int pf, long pfnext) {
 #define DK_PK_T(MR_, NV_) \
-    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf); \
-    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf);
+    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext); \
+    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext);
 #if DK_PK_NV == 3
 #define DK_PK_NVS(MR_) \
     if (nv == 3) { DK_PK_T(MR_, 3) } else if (nv == 2) { DK_PK_T(MR_, 2) } else { DK_PK_T(MR_, 1) }
@@ -159,9 +182,9 @@ static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const flo
     case 2: DK_PK_NVS(2) break;
     case 3: DK_PK_NVS(3) break;
     case 4: DK_PK_NVS(4) break;
+#if DK_PK_MR > 4
     case 5: DK_PK_NVS(5) break;
     case 6: DK_PK_NVS(6) break;
-#if DK_PK_MR > 6
     case 7: DK_PK_NVS(7) break;
     case 8: DK_PK_NVS(8) break;
 #endif
@@ -186,7 +209,8 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
             for (long i = 0; i < M; i += DK_PK_MR) {
                 int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
                 dk_pk_tile_any(mr, nv, bf16, k0, kc, x + i * ldx, ldx, pg, pstride, first,
-                               last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, i == 0);
+                               last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, i == 0,
+                               dk_pk_next_chunk(M, i, last, nv, pstride, k0 * DK_PK_COLS, DK_PK_KC * DK_PK_COLS));
             }
         }
     }
@@ -315,13 +339,15 @@ static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const 
 #if DK_DP_BUILT
 DK_AI void dk_pkdp_tile(const int mr, const int nv, const int parts, long q0, long nq, const uint32_t *xw,
                         long ldxw, long planew, const uint32_t *Pw, long pstridew, int first,
-                        const float *bias, float *out, long ldo, long ncols) {
+                        const float *bias, float *out, long ldo, long ncols, long pfnext) {
     __m512 acc[DK_PK_MR][DK_PK_NV];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_ps();
     for (long q = q0; q < q0 + nq; q++) {
         __m512i w[DK_PK_NV];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512(Pw + v * pstridew + q * 16);
+        if (pfnext)
+            for (int v = 0; v < nv; v++) __builtin_prefetch(Pw + v * pstridew + q * 16 + pfnext, 0, 2);
         for (int p = 0; p < parts; p++)
             for (int i = 0; i < mr; i++) {
                 __m512bh a = (__m512bh)_mm512_set1_epi32((int)xw[p * planew + i * ldxw + q]);
@@ -345,10 +371,10 @@ DK_AI void dk_pkdp_tile(const int mr, const int nv, const int parts, long q0, lo
 
 static void dk_pkdp_tile_any(int mr, int nv, int parts, long q0, long nq, const uint32_t *xw, long ldxw,
                              long planew, const uint32_t *Pw, long pstridew, int first, const float *bias,
-                             float *out, long ldo, long ncols) {
+                             float *out, long ldo, long ncols, long pfnext) {
 #define DK_PKDP_T(MR_, NV_) \
-    if (parts == 1) dk_pkdp_tile(MR_, NV_, 1, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols); \
-    else dk_pkdp_tile(MR_, NV_, 2, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols);
+    if (parts == 1) dk_pkdp_tile(MR_, NV_, 1, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols, pfnext); \
+    else dk_pkdp_tile(MR_, NV_, 2, q0, nq, xw, ldxw, planew, Pw, pstridew, first, bias, out, ldo, ncols, pfnext);
 #define DK_PKDP_NVS(MR_) \
     if (nv == 3) { DK_PKDP_T(MR_, 3) } else if (nv == 2) { DK_PKDP_T(MR_, 2) } else { DK_PKDP_T(MR_, 1) }
     switch (mr) {
@@ -381,7 +407,8 @@ static void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, c
             for (long i = 0; i < M; i += DK_PK_MR) {
                 int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
                 dk_pkdp_tile_any(mr, nv, parts, q0, nq, (const uint32_t *)xb + i * ldxw, ldxw, planew, pg,
-                                 pstridew, first, last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols);
+                                 pstridew, first, last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols,
+                                 dk_pk_next_chunk(M, i, last, nv, pstridew, q0 * 16, qc * 16));
             }
         }
     }
