@@ -404,8 +404,13 @@ class _Run:
             done = self._commit(new)
             anchor = self.out[-1]
             t3 = perf_counter()
+            seconds = t3 - t0 - (self.callback_s - callback_before)
             if auto:
-                chooser.observe(max(kk, 0), a, t3 - t0 - (self.callback_s - callback_before))
+                chooser.observe(max(kk, 0), a, seconds)
+            elif self.temperature == 0.0 and len(m.accepted) > 1:
+                # a greedy round of a fixed k times that k for "auto" too (the round cost is the
+                # Engine's); the first after the prefill runs on cold caches
+                self.eng.round_cost.observe(max(kk, 0), seconds)
             m.draft_s += t1 - t0
             m.verify_s += t2 - t1
             m.accept_s += t3 - t2

@@ -50,8 +50,10 @@ def test_round_cost_follows_the_lower_envelope():
     c.observe(0, 0.5)
     assert c.ar_timed and c.draft_timed
     cost = c.costs(8)
-    assert cost[0] == 0.5 and cost[1] == cost[4] == c.est[4] and cost[8] == 2.0  # flat below the smallest k
+    assert cost[0] == 0.5 and cost[4] == c.est[4] and cost[8] == 2.0
     assert np.isclose(cost[6], (c.est[4] + 2.0) / 2)  # linear between the k run
+    assert np.isclose(cost[2], (0.5 + c.est[4]) / 2)  # below the smallest k: towards the AR step
+    assert c.costs(10)[10] == 2.0  # flat above the largest k
 
 
 def _cost(ar, draft, k_max=15):
@@ -102,3 +104,20 @@ def test_autok_prefers_short_k_when_deep_positions_fail():
         chooser.observe(k_max, 2, cost.est[k_max])
     # k = 2 commits ~3 tokens for 1.4 s; a third draft adds ~0.15 tokens for 0.2 s more
     assert chooser.choose() == 2
+
+
+def test_autok_tries_a_short_k_when_the_longest_does_not_pay():
+    """Only k_max and the AR step timed, k_max losing to autoregressive steps: the short k that pays
+    gets tried (it looks cheap on the line from the AR step), then kept at its measured cost."""
+    k_max = 15
+    cost = _cost(1.0, 4.0)  # a k = 15 round costs 4 AR steps
+    chooser = AutoK(k_max, cost)
+    chooser.choose()
+    for _ in range(40):  # two drafts accepted per round: E(15) = 3 tokens for 4 steps' time
+        chooser.observe(k_max, 2, 4.0)
+    k = chooser.choose()
+    assert 0 < k < k_max
+    for _ in range(20):  # what a short round really costs: 1.5 AR steps for ~3 tokens
+        chooser.observe(k, min(k, 2), 1.5)
+        k = chooser.choose()
+    assert k == 2

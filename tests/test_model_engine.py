@@ -442,3 +442,18 @@ def test_default_k_auto_when_greedy_fixed_when_sampling(hot, monkeypatch):
     a = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
     b = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
     assert a.token_ids == b.token_ids and len(choosers) == 1 and a.metrics.drafted[0] == 15  # fixed k
+
+
+def test_fixed_k_greedy_rounds_time_the_round_cost(plain):
+    """The round cost "auto" picks k by is the Engine's: greedy rounds of a fixed k time that k too
+    (not the first after the prefill, on cold caches; not sampled rounds, which also sample)."""
+    eng = plain.clone()
+    assert not np.isfinite(eng.round_cost.est).any()
+    eng.generate([5, 6, 7], 12, num_speculative_tokens=3, ignore_eos=True)
+    timed = set(np.flatnonzero(np.isfinite(eng.round_cost.est)).tolist())
+    assert 3 in timed and timed <= {0, 1, 2, 3}, timed  # (the budget's last rounds draft fewer)
+    eng.generate([5, 6, 7], 6, num_speculative_tokens=0, ignore_eos=True)
+    assert eng.round_cost.ar_timed
+    before = eng.round_cost.est.copy()
+    eng.generate([5, 6, 7], 12, temperature=0.7, seed=1, num_speculative_tokens=5, ignore_eos=True)
+    assert np.array_equal(before, eng.round_cost.est, equal_nan=True)
