@@ -1,0 +1,57 @@
+"""Two versions of "auto" k (model/adaptive.py) side by side in one process: for tuning the chooser on a
+noisy machine, where runs of `dflash bench` one after the other differ by more than the change.
+
+    git show <commit>:model/adaptive.py > /tmp/adaptive_old.py
+    python bench/auto_ab.py /tmp/adaptive_old.py --model stdlib --n-prompts 8 --repeats 2
+
+One Engine of a shipped pair; per prompt, an autoregressive run, then "auto" with the other version's
+AutoK, then with this checkout's, so the machine's noise hits all three alike. The Engine's round
+cost (RoundCost) is shared, as it is between requests. Prints tokens/s of each and the ratio to
+autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("other", help="the other version's model/adaptive.py")
+    ap.add_argument("--model", default="stdlib", choices=("stdlib", "smollm2"))
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from dflash_kernels.model import adaptive, engine
+    from dflash_kernels.model.benchmark import load_prompts
+    from dflash_kernels.model.defaults import load_default
+
+    spec = importlib.util.spec_from_file_location("dflash_kernels.model.adaptive_other", args.other)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    eng = load_default(args.model, n_threads=args.threads)
+    prompts = load_prompts(None, args.n_prompts, eng)
+    eng.generate(prompts[0], 8, num_speculative_tokens="auto")  # warm-up
+    totals = {name: [0, 0.0] for name in ("autoregressive", "other", "this")}
+    for _ in range(args.repeats):
+        for p in prompts:
+            for name in totals:
+                engine.AutoK = other.AutoK if name == "other" else adaptive.AutoK
+                k = 0 if name == "autoregressive" else "auto"
+                res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=k)
+                totals[name][0] += len(res.token_ids)
+                totals[name][1] += res.metrics.total_s
+    engine.AutoK = adaptive.AutoK
+    ar = totals["autoregressive"][0] / totals["autoregressive"][1]
+    for name, (tokens, seconds) in totals.items():
+        print(f"{name}: {tokens / seconds:.1f} tokens/s, {tokens / seconds / ar:.3f}x autoregressive")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
