@@ -13,6 +13,10 @@ from libc.stdint cimport int64_t
 
 include "_sampling.pxi"
 
+cdef extern from "dk_threads.h" nogil:
+    Py_ssize_t DK_PARALLEL_MACS
+    int dk_threads(Py_ssize_t work, Py_ssize_t per_thread, int n_threads)
+
 cdef extern from "dk_denoise.h":
     enum:
         VB "DFLASH_VB"
@@ -87,9 +91,9 @@ def denoise_block(const float[:, ::1] hidden, lm_head, int64_t[::1] tokens, int6
                   int n_threads, double temperature=0.0, Py_ssize_t top_k=0, double top_p=1.0, uniforms=None):
     cdef Py_ssize_t t_sz = hidden.shape[0], h_sz = hidden.shape[1], v_sz = lm_head.shape[0]
     cdef Py_ssize_t t, c, n_chunks = (v_sz + CHUNK - 1) // CHUNK
-    # one thread per chunk and per 2^18 multiply-adds at most: a team wider than the work (16 threads
-    # for the 5 chunks of a 4160-token vocabulary) pays every thread's wake-up for nothing
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_chunks, t_sz * v_sz * h_sz >> 18))
+    # the team follows the work (dk_threads.h), and no thread more than there are chunks: 16 threads
+    # for the 5 chunks of a 4160-token vocabulary paid every thread's wake-up for nothing
+    n_threads = dk_threads(t_sz * v_sz * h_sz, DK_PARALLEL_MACS, <int> min(<Py_ssize_t> n_threads, n_chunks))
     cdef float[:, ::1] cbest = np.empty((n_chunks, t_sz), np.float32)
     cdef int64_t[:, ::1] carg = np.empty((n_chunks, t_sz), np.int64)
     cdef unsigned char[:, ::1] cnan = np.empty((n_chunks, t_sz), np.uint8)

@@ -20,6 +20,11 @@ from libc.string cimport memcpy
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
+cdef extern from "dk_threads.h" nogil:
+    Py_ssize_t PARALLEL_MACS "DK_PARALLEL_MACS"
+    Py_ssize_t PARALLEL_ELEMS "DK_PARALLEL_ELEMS"
+    int _threads "dk_threads"(Py_ssize_t work, Py_ssize_t per_thread, int n_threads)
+
 cdef extern from "dk_dense.h" nogil:
     int DK_MR, DK_NR, DK_KC, DK_VW
     void dk_pair_x(long M, long K, const float *x, float *xp2)
@@ -90,8 +95,6 @@ ctypedef fused wtype:
     unsigned short  # bf16 bit patterns
 
 # Below this much work (multiply-adds / elements) one thread beats waking the OpenMP pool.
-cdef Py_ssize_t PARALLEL_MACS = 1 << 18
-cdef Py_ssize_t PARALLEL_ELEMS = 1 << 15
 
 
 # DFLASH_AMX=0 turns the AMX path off (benchmarks compare it with the other paths in one process).
@@ -289,15 +292,6 @@ cdef int _linear_bf16dot(const float *xp, const unsigned short *wp, const float 
             free(spill)
     free(xb)
     return 1
-
-
-cdef inline int _threads(Py_ssize_t work, Py_ssize_t threshold, int n_threads) noexcept nogil:
-    """Threads for an op of `work` units: one per `threshold` units, at most n_threads. Waking a
-    thread costs more than a small share of work: with all of them for anything past the threshold,
-    the shipped 4M-parameter pair's 16-row rounds ran ~8x slower at 16 threads than at 1 (an
-    Intel Xeon with 16 cores). Results do not depend on the count."""
-    cdef Py_ssize_t n = work // threshold
-    return 1 if n < 1 else (n_threads if n >= n_threads else <int> n)
 
 
 def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] bias, float[:, ::1] out,
