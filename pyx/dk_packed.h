@@ -44,8 +44,9 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #else
 /* 4 rows x 1 panel (2 ymm): 8 of 16 ymm. 6 rows (12 accumulators) left too few registers for the
    bf16 pair's two weight vectors, the mask and the broadcast: gcc spilled an accumulator every
-   k-pair and the tile ran at 68-71% of the FMA peak, against 85-87% with 4 rows (one thread,
-   weights in L2, Zen 4 under the avx2 tier; fp32 weights 84% -> 89%). */
+   k-pair (a vmovaps to the stack inside the loop, `gcc -S -march=x86-64-v3`). With 4 rows and the
+   prefetch below, avx2 "highest" at M = 16 ran 1.02-1.33x faster on a Zen 4 (bench/linear_ab.py,
+   docs/benchmarks.md, session 9). */
 #define DK_PK_MR 4
 #define DK_PK_NV 1
 #endif
@@ -155,10 +156,10 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
    panel; 0: no prefetch): the same panels' next chunk, or after the last chunk the next group's
    first. Into L2 while that tile computes from L1, so that DRAM streams all the time: without it
    a chunk's first row tile waited on DRAM and the others on nothing. With one row tile (M <= MR)
-   there is no later tile to overlap with. Measured on Zen 4 at M = 16 with the weights in DRAM:
-   vdpbf16ps tile 1.14-1.16x (Qwen3-1.7B shapes), avx2 FMA tile (one panel, one stream) 1.22-1.25x,
-   the avx512 FMA tile, which the FMA rate bounds, unchanged; into L1, or from every row tile, was
-   slower. at: the chunk's offset in its panel; chunk: elements per chunk. */
+   there is no later tile to overlap with (tried there: faster on some shapes, slower on others).
+   On a Zen 4 at M = 16 (bench/linear_ab.py, docs/benchmarks.md, session 9): the vdpbf16ps tile
+   ("medium") 1.02-1.18x, the avx512 FMA tile, which the FMA rate bounds, unchanged; into L1, or
+   from every row tile, was slower. at: the chunk's offset in its panel; chunk: elements per chunk. */
 static inline long dk_pk_next_chunk(long M, long i, int last, int nv, long pstride, long at, long chunk) {
     if (M <= DK_PK_MR || i + DK_PK_MR < M) return 0;
     return last ? nv * pstride - at : chunk;
