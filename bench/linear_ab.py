@@ -27,9 +27,9 @@ from tiers import BLOCK_SHAPES, _median_interleaved  # noqa: E402
 LM_HEAD = ("1.7B lm_head", 151936, 2048)
 
 
-def load_other(path: str):
-    """The other build's dense module, under a name of its own (its init function is PyInit_dense)."""
-    spec = importlib.util.spec_from_file_location("other_build.dense", path)
+def load_other(path: str, stem: str = "dense"):
+    """The other build's module `stem`, under a name of its own (its init function is PyInit_<stem>)."""
+    spec = importlib.util.spec_from_file_location(f"other_build.{stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -10,7 +10,8 @@ compared, all at the same thread count:
   "medium" against torch bf16 F.linear, "highest" against torch fp32 F.linear on fp32 weights;
 - linear M=16 at small shapes, "highest", fp32 weights, against torch fp32;
 - linear M=1 over a model step of DRAM-resident bf16 weights, against a streaming read;
-- attention, 16 queries over 4096 keys, 32/8 heads x 128, fp32 and bf16 K/V, against SDPA.
+- attention, 16 queries over 4096 keys, 32/8 heads x 128, fp32 and bf16 K/V, against SDPA at the
+  same dtype: ours "highest" (exact products) and "medium" (bf16 operands, what SDPA does in bf16).
 
     python bench/tiers.py --threads 2 [--tiers avx2,amx] [--json out.json]
 """
@@ -50,7 +51,7 @@ def _median_interleaved(fns: dict, rounds: int, inner: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def worker(tier: str, threads: int, rounds: int) -> dict:
+def worker(tier: str, threads: int, rounds: int, attention_only: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -64,52 +65,53 @@ def worker(tier: str, threads: int, rounds: int) -> dict:
     res["peak_fma"] = max(dense.peak_gflops("fma", threads, 0.2) for _ in range(3))
     res["peak_bf16dot"] = max(dense.peak_gflops("bf16dot", threads, 0.2) for _ in range(3))
     res["bf16dot_taken"] = bool(dense.bf16dot_pays())
-    rng = np.random.default_rng(0)
-    rows = []
-    for label, n, k in BLOCK_SHAPES + SMALL_SHAPES:
-        small = (label, n, k) in SMALL_SHAPES
-        x = rng.standard_normal((16, k)).astype(np.float32)
-        wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-        wt = torch.from_numpy(wf)
-        wb = wt.bfloat16()
-        wb_np = wb.view(torch.int16).numpy().view(np.uint16)
-        xt = torch.from_numpy(x)
-        out = np.empty((16, n), np.float32)
-        a = dict(x=x, xt=xt, wt=wt, wf=wf, wb=wb, wb_np=wb_np, out=out)  # this shape's operands
-        paths = {}
+    if not attention_only:
+        rng = np.random.default_rng(0)
+        rows = []
+        for label, n, k in BLOCK_SHAPES + SMALL_SHAPES:
+            small = (label, n, k) in SMALL_SHAPES
+            x = rng.standard_normal((16, k)).astype(np.float32)
+            wf = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+            wt = torch.from_numpy(wf)
+            wb = wt.bfloat16()
+            wb_np = wb.view(torch.int16).numpy().view(np.uint16)
+            xt = torch.from_numpy(x)
+            out = np.empty((16, n), np.float32)
+            a = dict(x=x, xt=xt, wt=wt, wf=wf, wb=wb, wb_np=wb_np, out=out)  # this shape's operands
+            paths = {}
 
-        def ours(w, parts, key, a=a, paths=paths):
-            """linear on the layout dk.prepare_weight gives a model at this tier (packed on FMA)"""
-            w = dk.prepare_weight(w, backend="cython")
-            if isinstance(w, dk.PackedWeight):
-                fn = lambda: dense.linear_packed(a["x"], w.data, None, a["out"], n_threads=threads, parts=parts)  # noqa: E731
-            else:
-                fn = lambda: dense.linear(a["x"], w, None, a["out"], n_threads=threads, parts=parts)  # noqa: E731
-            fn()
-            paths[key] = dense.last_path()
-            return fn
+            def ours(w, parts, key, a=a, paths=paths):
+                """linear on the layout dk.prepare_weight gives a model at this tier (packed on FMA)"""
+                w = dk.prepare_weight(w, backend="cython")
+                if isinstance(w, dk.PackedWeight):
+                    fn = lambda: dense.linear_packed(a["x"], w.data, None, a["out"], n_threads=threads, parts=parts)  # noqa: E731
+                else:
+                    fn = lambda: dense.linear(a["x"], w, None, a["out"], n_threads=threads, parts=parts)  # noqa: E731
+                fn()
+                paths[key] = dense.last_path()
+                return fn
 
-        fns = {"torch fp32": lambda a=a: torch.nn.functional.linear(a["xt"], a["wt"]),
-               "ours highest (fp32 w)": ours(wf, 3, "path_fp32")}
-        if not small:
-            fns.update({
-                "torch bf16": lambda a=a: torch.nn.functional.linear(a["xt"].bfloat16(), a["wb"]),
-                "ours medium": ours(wb_np, 1, "path_medium"),
-                "ours highest": ours(wb_np, 3, "path_highest"),
-                # the row-major layout, for the gain of packing where the tier packs
-                "row-major highest": lambda a=a: dense.linear(a["x"], a["wb_np"], None, a["out"],
-                                                              n_threads=threads, parts=3),
-            })
-        t = _median_interleaved(fns, rounds, inner=20 if small else 1)
-        if not small:  # the same call back to back: the weights stay in L2/L3 (the kernel's own rate)
-            t["ours highest, warm"] = _median_interleaved({"w": fns["ours highest"]}, rounds, inner=5)["w"]
-        rows.append({"shape": label, "N": n, "K": k, "flops": 2 * 16 * n * k, **paths, **t})
-    res["linear16"] = rows
-    # M=1 from DRAM: bench/linear_dram.py's model step (Qwen3-1.7B, 28 layers + head) and stream read
-    sys.path.insert(0, str(HERE))
-    from linear_dram import model_step_gbs
+            fns = {"torch fp32": lambda a=a: torch.nn.functional.linear(a["xt"], a["wt"]),
+                   "ours highest (fp32 w)": ours(wf, 3, "path_fp32")}
+            if not small:
+                fns.update({
+                    "torch bf16": lambda a=a: torch.nn.functional.linear(a["xt"].bfloat16(), a["wb"]),
+                    "ours medium": ours(wb_np, 1, "path_medium"),
+                    "ours highest": ours(wb_np, 3, "path_highest"),
+                    # the row-major layout, for the gain of packing where the tier packs
+                    "row-major highest": lambda a=a: dense.linear(a["x"], a["wb_np"], None, a["out"],
+                                                                  n_threads=threads, parts=3),
+                })
+            t = _median_interleaved(fns, rounds, inner=20 if small else 1)
+            if not small:  # the same call back to back: the weights stay in L2/L3 (the kernel's own rate)
+                t["ours highest, warm"] = _median_interleaved({"w": fns["ours highest"]}, rounds, inner=5)["w"]
+            rows.append({"shape": label, "N": n, "K": k, "flops": 2 * 16 * n * k, **paths, **t})
+        res["linear16"] = rows
+        # M=1 from DRAM: bench/linear_dram.py's model step (Qwen3-1.7B, 28 layers + head) and stream read
+        sys.path.insert(0, str(HERE))
+        from linear_dram import model_step_gbs
 
-    res["dram"] = model_step_gbs("Qwen3-1.7B", 28, threads, repeats=max(3, rounds // 2))
+        res["dram"] = model_step_gbs("Qwen3-1.7B", 28, threads, repeats=max(3, rounds // 2))
     # attention: 16 queries (a block) over 4096 keys, 32/8 heads x 128
     q = torch.randn(16, 32, 128)
     att = []
@@ -124,7 +126,9 @@ def worker(tier: str, threads: int, rounds: int) -> dict:
 
         t = _median_interleaved({"sdpa": sdpa,
                                  "ours": lambda k=k, v=v: dk.cached_attention(q, k, v, causal=True,
-                                                                              n_threads=threads)}, rounds)
+                                                                              n_threads=threads),
+                                 "ours medium": lambda k=k, v=v: dk.cached_attention(
+                                     q, k, v, causal=True, precision="medium", n_threads=threads)}, rounds)
         att.append({"kv": str(dtype).replace("torch.", ""), **t})
     res["attention"] = att
     return res
@@ -134,8 +138,20 @@ def _table(r: dict) -> str:
     peak = r["peak_fma"]
     lines = [f"### Tier `{r['tier']}` ({r['cpu']}, {r['threads']} threads)", "",
              f"Register-only peaks: FMA {peak:.0f} GFLOP/s, vdpbf16ps {r['peak_bf16dot']:.0f} GFLOP/s "
-             f"(bf16dot path {'taken' if r['bf16dot_taken'] else 'not taken: FMA is faster here'}).", "",
-             "| linear M=16 | medium: ours / torch bf16 (ms) | ratio | path | highest: ours / torch fp32 (ms) "
+             f"(bf16dot path {'taken' if r['bf16dot_taken'] else 'not taken: FMA is faster here'}).", ""]
+    if "linear16" in r:
+        lines += _linear_lines(r, peak)
+    lines += ["| attention 16 q x 4096 keys, 32/8 x 128 | ours highest / medium (ms) | SDPA (ms) | "
+              "SDPA / ours highest | SDPA / ours medium |", "|---|---|---|---|---|"]
+    for a in r["attention"]:
+        lines.append(f"| {a['kv']} K/V | {a['ours'] * 1e3:.2f} / {a['ours medium'] * 1e3:.2f} | "
+                     f"{a['sdpa'] * 1e3:.2f} | **{a['sdpa'] / a['ours']:.2f}x** | "
+                     f"**{a['sdpa'] / a['ours medium']:.2f}x** |")
+    return "\n".join(lines)
+
+
+def _linear_lines(r: dict, peak: float) -> list:
+    lines = ["| linear M=16 | medium: ours / torch bf16 (ms) | ratio | path | highest: ours / torch fp32 (ms) "
              "| ratio | GFLOP/s (% of FMA peak) | path | row-major highest (ms) | warm: GFLOP/s (% of peak) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["linear16"]:
@@ -157,12 +173,8 @@ def _table(r: dict) -> str:
     lines += ["", f"linear M=1 from DRAM ({d['shape']}, {d['gb']:.2f} GB of bf16 weights): row-major "
                   f"{d['gemv_gbs']:.1f} GB/s, packed {d['packed_gbs']:.1f} GB/s, against a streaming read of "
                   f"{d['stream_gbs']:.1f} GB/s: **{100 * d['gemv_gbs'] / d['stream_gbs']:.0f}% / "
-                  f"{100 * d['packed_gbs'] / d['stream_gbs']:.0f}%**", "",
-              "| attention 16 q x 4096 keys, 32/8 x 128 | ours (ms) | SDPA (ms) | ratio |", "|---|---|---|---|"]
-    for a in r["attention"]:
-        lines.append(f"| {a['kv']} K/V | {a['ours'] * 1e3:.2f} | {a['sdpa'] * 1e3:.2f} | "
-                     f"**{a['sdpa'] / a['ours']:.2f}x** |")
-    return "\n".join(lines)
+                  f"{100 * d['packed_gbs'] / d['stream_gbs']:.0f}%**", ""]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -171,10 +183,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tiers", default=None, help="comma-separated (default: every tier this machine has)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--attention-only", action="store_true", help="only the peaks and the attention table")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.threads, args.rounds)))
+        print(json.dumps(worker(args.worker, args.threads, args.rounds, args.attention_only)))
         return 0
     from dflash_kernels import _isa
 
@@ -186,7 +199,8 @@ def main(argv=None) -> int:
                    MKL_ENABLE_INSTRUCTIONS=MKL_ISA[tier], DFLASH_NUM_THREADS=str(args.threads),
                    OMP_NUM_THREADS=str(args.threads))
         out = subprocess.run([sys.executable, __file__, "--worker", tier, "--threads", str(args.threads),
-                              "--rounds", str(args.rounds)], env=env, capture_output=True, text=True)
+                              "--rounds", str(args.rounds), *(["--attention-only"] if args.attention_only else [])],
+                             env=env, capture_output=True, text=True)
         if out.returncode:
             print(out.stderr, file=sys.stderr)
             return out.returncode

@@ -8,6 +8,9 @@ precision says how the activations enter the products:
     "medium"   each activation rounded to one bf16 (nearest even): what torch bf16 and vLLM bf16
                compute
 
+Attention follows the same setting: at "medium" the operands of both of its products (scaled
+queries, K, V, probabilities) are rounded to one bf16 (dflash_kernels/attention.py).
+
 The products of the rounded activations with the weights are exact and summed in fp32 on every
 backend and tier, so a precision is a rounding of the activations, not a property of a kernel:
 the AMX and vdpbf16ps paths run one bf16 operation per part, the FMA paths run on the rounded
@@ -36,7 +39,7 @@ def parts(precision) -> int:
 
 
 def set_matmul_precision(precision: str) -> str:
-    """Set the default precision of ``linear`` and ``denoise_block`` for this process.
+    """Set the default precision of ``linear``, ``denoise_block`` and attention for this process.
 
     One of "highest" (default), "high", "medium"; returns the previous one. A per-call
     ``precision=`` overrides it.
@@ -48,5 +51,5 @@ def set_matmul_precision(precision: str) -> str:
 
 
 def get_matmul_precision() -> str:
-    """The default precision of ``linear`` and ``denoise_block`` (see set_matmul_precision)."""
+    """The default precision of ``linear``, ``denoise_block`` and attention (see set_matmul_precision)."""
     return _default

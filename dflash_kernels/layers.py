@@ -287,7 +287,8 @@ def compose_qwen3_layer(x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v
     bf16 = k_cache.dtype == np.uint16
     k_cache[start:start + T] = f32_to_bf16(k) if bf16 else k
     v_cache[start:start + T] = f32_to_bf16(v) if bf16 else v
-    o = cached_attention(q, k_cache[:start + T], v_cache[:start + T], causal=True, window=layer.window, **kw)
+    o = cached_attention(q, k_cache[:start + T], v_cache[:start + T], causal=True, window=layer.window,
+                         precision=precision, **kw)
     return _finish(x, o, layer, precision, kw)
 
 
@@ -297,5 +298,6 @@ def compose_drafter_layer(x: np.ndarray, layer: Qwen3Layer, k_ctx: np.ndarray, v
     """``drafter_layer`` as the composition of the single ops (its oracle; the other backends' path)."""
     kw = dict(n_threads=n_threads, backend=backend)
     q, k, v = _project(x, layer, k_ctx.shape[0], precision, kw)
-    o = injected_kv_attention(q, k_ctx, v_ctx, k, v, causal_block=layer.causal, window=layer.window, **kw)
+    o = injected_kv_attention(q, k_ctx, v_ctx, k, v, causal_block=layer.causal, window=layer.window,
+                              precision=precision, **kw)
     return _finish(x, o, layer, precision, kw)

@@ -108,25 +108,26 @@ def _(gate_up):
 
 @torch.library.custom_op("dflash::cached_attention", mutates_args=())
 def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, causal: bool = True, scale: float | None = None,
-                     window: int | None = None) -> Tensor:
-    return _t(attention.cached_attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window))
+                     window: int | None = None, precision: str | None = None) -> Tensor:
+    return _t(attention.cached_attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
+                                         precision=precision))
 
 
 @cached_attention.register_fake
-def _(q, k_cache, v_cache, causal=True, scale=None, window=None):
+def _(q, k_cache, v_cache, causal=True, scale=None, window=None, precision=None):
     return _new(q, q.shape)
 
 
 @torch.library.custom_op("dflash::injected_kv_attention", mutates_args=())
 def injected_kv_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor,
                           causal_block: bool = False, scale: float | None = None,
-                          window: int | None = None) -> Tensor:
+                          window: int | None = None, precision: str | None = None) -> Tensor:
     return _t(attention.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=causal_block,
-                                              scale=scale, window=window))
+                                              scale=scale, window=window, precision=precision))
 
 
 @injected_kv_attention.register_fake
-def _(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=False, scale=None, window=None):
+def _(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=False, scale=None, window=None, precision=None):
     return _new(q, q.shape)
 
 

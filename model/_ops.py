@@ -201,16 +201,16 @@ class Ops:
                 and q.shape[1] % k.shape[1] == 0):
             out = np.empty(q.shape, np.float32)
             self._attention.cached_attention(q, k, v, out, n_threads=self._n, causal=True,
-                                             scale=q.shape[2] ** -0.5, window=window)
+                                             scale=q.shape[2] ** -0.5, window=window, parts=self._parts)
         else:
-            out = dk.cached_attention(q, k, v, causal=True, window=window, **self.kw)
+            out = dk.cached_attention(q, k, v, causal=True, window=window, precision=self.precision, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 
     def injected_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, causal_block, window):
         t = perf_counter()
         out = dk.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=causal_block, window=window,
-                                       **self.kw)
+                                       precision=self.precision, **self.kw)
         self.kernel_s += perf_counter() - t
         return out
 

@@ -33,11 +33,11 @@ cdef const void* _ptr(cnp.ndarray a):
     return <const void*>cnp.PyArray_DATA(a)
 
 
-def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float scale, int n_threads):
+def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float scale, int n_threads, int parts):
     cdef Problem P
     _problem_init(&P, _ptr(k1), _ptr(v1), k1.dtype == np.uint16, k1.shape[0], _ptr(k2), _ptr(v2),
                   k2.dtype == np.uint16, k2.shape[0], q.shape[0], q.shape[1], k1.shape[1], q.shape[2], q_off,
-                  0 if window is None else window, causal, scale)
+                  0 if window is None else window, causal, scale, parts)
     cdef cnp.ndarray qa = q
     cdef cnp.ndarray oa = out
     cdef int rc
@@ -48,11 +48,12 @@ def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float
 
 
 def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, out, *, int n_threads, float scale,
-                          bint causal_block, window):
-    _attend(q, k_ctx, v_ctx, k_blk, v_blk, out, k_ctx.shape[0], causal_block, window, scale, n_threads)
+                          bint causal_block, window, int parts=3):
+    _attend(q, k_ctx, v_ctx, k_blk, v_blk, out, k_ctx.shape[0], causal_block, window, scale, n_threads, parts)
 
 
-def cached_attention(q, k_cache, v_cache, out, *, int n_threads, bint causal, float scale, window):
+def cached_attention(q, k_cache, v_cache, out, *, int n_threads, bint causal, float scale, window,
+                     int parts=3):
     empty = k_cache[:0]
     _attend(q, k_cache, v_cache, empty, empty, out, k_cache.shape[0] - q.shape[0], causal, window,
-            scale, n_threads)
+            scale, n_threads, parts)

@@ -20,6 +20,22 @@ cdef extern from "dk_attention.h":
     int dk_finish_split(int* remaining) noexcept nogil
     void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                     float* kt, Py_ssize_t ldt) noexcept nogil
+    void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                      float* dst, Py_ssize_t ldd) noexcept nogil
+    # "medium" (see dk_attention.h): bf16 operands; ATT_DOT: vdpbf16ps kernels on pair words
+    int ATT_DOT "DK_ATT_DOT"
+    float dk_att_round(float f) noexcept nogil
+    void dk_att_round_run(float* x, Py_ssize_t n) noexcept nogil
+    uint32_t dk_att_elem(const void* base, int bf16, Py_ssize_t i) noexcept nogil
+    void dk_qk2_block(int rb, const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
+                      Py_ssize_t lds) noexcept nogil
+    void dk_pv2_block(int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t lda) noexcept nogil
+    void dk_att_bf16_inplace(float* x, Py_ssize_t n) noexcept nogil
+    void dk_load_kt2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* kt2,
+                     Py_ssize_t ldt) noexcept nogil
+    void dk_load_v2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* v2,
+                    Py_ssize_t ldv) noexcept nogil
 
 
 cdef enum:
@@ -46,6 +62,8 @@ cdef struct Problem:
     Py_ssize_t split   # key splits per query block
     Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
     Py_ssize_t rows    # packed rows per item, rounded up to rb
+    int medium         # "medium" precision: queries, K, V and P rounded to bf16
+    int dot            # ... on the vdpbf16ps kernels (AVX512-BF16 tiers, D even)
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -113,6 +131,10 @@ cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_s
     cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
     cdef int bf
     cdef const char* base
+    if P.dot:  # pair words: kt (D / 2, KT), vt (KT / 2, Dp); a pair straddling the sources is joined
+        _load_tile_pairs(P, g, j0, kn, n1, <uint32_t*>kt, <uint32_t*>vt)
+        ldv[0] = Dp
+        return vt
     if n1 > 0:
         dk_load_kt(<const char*>P.k1 + (j0 * P.H_kv + g) * D * (2 if P.bf1 else 4), P.bf1, stride, D, n1, kt, KT)
     if kn > n1:
@@ -121,17 +143,54 @@ cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_s
     for d in range(D):
         for c in range(kn, KT):
             kt[d * KT + c] = 0.0
-    base = _row_ptr(P, 1, g, j0, &bf)
-    if Dp == D and not bf and (n1 == kn or n1 == 0):
-        ldv[0] = stride
-        return <const float*>base
-    for c in range(kn):
-        base = _row_ptr(P, 1, g, j0 + c, &bf)
-        _load_row(base, bf, 0, D, vt + c * Dp)
-        for d in range(D, Dp):
-            vt[c * Dp + d] = 0.0
+    if n1 > 0:
+        dk_load_rows(_row_ptr(P, 1, g, j0, &bf), P.bf1, stride, D, n1, vt, Dp)
+    if kn > n1:
+        dk_load_rows(_row_ptr(P, 1, g, j0 + n1, &bf), P.bf2, stride, D, kn - n1, vt + n1 * Dp, Dp)
+    if Dp > D:
+        for c in range(kn):
+            for d in range(D, Dp):
+                vt[c * Dp + d] = 0.0
+    if P.medium:
+        dk_att_round_run(kt, D * KT)
+        dk_att_round_run(vt, kn * Dp)
     ldv[0] = Dp
     return vt
+
+
+cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, Py_ssize_t n1,
+                           uint32_t* kt2, uint32_t* v2) noexcept nogil:
+    """The tile as pair words (see dk_attention.h): kt2 (D / 2, KT) = K^T in dim pairs, keys >= kn
+    zero; v2 (KT / 2, Dp) = V in key pairs, a missing last key and dims >= D zero. n1 keys come
+    from source 1; when a key pair straddles the two sources, it is built from both."""
+    cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D, n_odd = 0
+    cdef int bf, bf_b
+    cdef const char* a
+    cdef const char* b
+    # (each source's dtype is its own flag: _row_ptr's out-argument is not read in the same call,
+    # whose argument order C leaves unspecified)
+    if n1 > 0:
+        dk_load_kt2(_row_ptr(P, 0, g, j0, &bf), P.bf1, stride, D, n1, kt2, KT)
+    if kn > n1:
+        dk_load_kt2(_row_ptr(P, 0, g, j0 + n1, &bf), P.bf2, stride, D, kn - n1, kt2 + n1, KT)
+    for d in range(D // 2):
+        for c in range(kn, KT):
+            kt2[d * KT + c] = 0
+    if n1 % 2 and kn > n1:  # keys n1 - 1 (source 1) and n1 (source 2) share a pair word
+        n_odd = 1
+        a = _row_ptr(P, 1, g, j0 + n1 - 1, &bf)
+        b = _row_ptr(P, 1, g, j0 + n1, &bf_b)
+        for d in range(D):
+            v2[(n1 // 2) * Dp + d] = dk_att_elem(a, bf, d) | dk_att_elem(b, bf_b, d) << 16
+    if n1 - n_odd > 0:
+        dk_load_v2(_row_ptr(P, 1, g, j0, &bf), P.bf1, stride, D, n1 - n_odd, v2, Dp)
+    if kn - n1 - n_odd > 0:
+        dk_load_v2(_row_ptr(P, 1, g, j0 + n1 + n_odd, &bf), P.bf2, stride, D, kn - n1 - n_odd,
+                   v2 + ((n1 + n_odd) // 2) * Dp, Dp)
+    if Dp > D:
+        for c in range((kn + 1) // 2):
+            for d in range(D, Dp):
+                v2[c * Dp + d] = 0
 
 
 cdef inline float _row_max(const float* s) noexcept nogil:
@@ -207,6 +266,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
     cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head
+    cdef const uint32_t* q2 = <uint32_t*>buf  # P.dot: (H_kv, Rp, D / 2) the same as pair words
     cdef float* kt = qp + H * Rp * D     # (D, KT)
     cdef float* vt = kt + D * KT         # (KT, Dp)
     cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities
@@ -238,6 +298,10 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
             h = g * group + r % group
             for d in range(D):
                 qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+    if P.dot:  # each row's rounded dims as D / 2 pair words
+        dk_att_bf16_inplace(qp, H * Rp * D)
+    elif P.medium:
+        dk_att_round_run(qp, H * Rp * D)
 
     for tile in range(s * n_tiles // split, (s + 1) * n_tiles // split):
         j0 = lo_min + tile * KT
@@ -259,8 +323,12 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
                                    min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
                 for c0 in range(KT // DK_CB):
-                    dk_qk_block(P.rb, qg + r0 * P.rb * D, D, kt + c0 * DK_CB, KT, sc + r0 * P.rb * KT + c0 * DK_CB,
-                                KT)
+                    if P.dot:
+                        dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
+                                     KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
+                    else:
+                        dk_qk_block(P.rb, qg + r0 * P.rb * D, D, kt + c0 * DK_CB, KT,
+                                    sc + r0 * P.rb * KT + c0 * DK_CB, KT)
                 for r in range(r0 * P.rb, r0 * P.rb + P.rb):
                     if r < R:
                         t = t0 + r // group
@@ -269,9 +337,17 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                     else:  # padding rows
                         c_lo, c_hi = 1, 0
                     _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
+                    if P.dot:  # P's row as KT / 2 pair words at its start (l kept the unrounded sum)
+                        dk_att_bf16_inplace(sc + r * KT, KT)
+                    elif P.medium:
+                        dk_att_round_run(sc + r * KT, KT)
                 for c0 in range(Dp // DK_CB):
-                    dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
-                                ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+                    if P.dot:
+                        dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
+                                     <const uint32_t*>vsrc + c0 * DK_CB, ldv, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+                    else:
+                        dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
+                                    ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
 
     if split == 1:
         for g in range(H):
@@ -320,7 +396,7 @@ cdef void _merge(const Problem* P, Py_ssize_t unit, float* out, const float* par
 cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_ssize_t T1, const void* k2,
                         const void* v2, int bf2, Py_ssize_t T2, Py_ssize_t T_q, Py_ssize_t H_q,
                         Py_ssize_t H_kv, Py_ssize_t D, Py_ssize_t q_off, Py_ssize_t window, int causal,
-                        float scale) noexcept nogil:
+                        float scale, int parts) noexcept nogil:
     """Fill P: queries (T_q, H_q, D) at positions q_off.., keys [source 1 | source 2], each (T, H_kv, D)
     float32 (bf = 0) or bf16 bits; window 0: none. The work split follows from the shape alone."""
     P.k1, P.v1, P.k2, P.v2 = k1, v1, k2, v2
@@ -334,6 +410,8 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.window = window
     P.causal = causal
     P.scale = scale
+    P.medium = parts == 1  # "high" (2 parts) computes as "highest": exact operands
+    P.dot = P.medium and ATT_DOT and D % 2 == 0
     P.qb_t = max(1, QROWS // P.group)
     P.n_qb = (T_q + P.qb_t - 1) // P.qb_t
     P.rows = min(P.qb_t, T_q) * P.group

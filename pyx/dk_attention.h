@@ -6,12 +6,15 @@
 
 #include <Python.h>  /* Py_ssize_t */
 
+#include <stdint.h>
+#include <string.h>
+
 #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
 
 /* Ask for a K or V row ahead of use (into L2): one kv head's rows are H_kv * D elements apart,
    often a whole page, and hardware prefetchers do not follow strides across pages. */
 static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
-    for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 2);
+    for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 1);
 }
 
 /* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
@@ -150,6 +153,188 @@ static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t
     for (; c < n; c++)
         for (Py_ssize_t d = 0; d < D; d++)
             kt[d * ldt + c] = dk_get(base, bf16, c * stride + d);
+}
+
+/* dst[c * ldd + d] = element d of source row c (rows `stride` elements apart), c < n, d < D: the V
+   tile copied (and upcast) into contiguous rows. Read in place, a tile's rows sit a whole cache row
+   (H_kv * D elements, often 4 KiB) apart, so they all map to the same L1 sets and evict each other
+   while P V streams them (8 row blocks x Dp / DK_CB column blocks per tile). */
+static void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                         float* dst, Py_ssize_t ldd) {
+    for (Py_ssize_t c = 0; c < n; c++) {
+        Py_ssize_t d = 0;
+        float* row = dst + c * ldd;
+#if defined(__AVX2__)
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(row + d, dk_ld8(base, bf16, c * stride + d));
+#endif
+        for (; d < D; d++) row[d] = dk_get(base, bf16, c * stride + d);
+    }
+}
+
+/* "medium" precision: both products take bf16 operands (the scaled queries, K, V and the
+   probabilities P, each rounded to nearest even), with exact products summed in fp32, as torch's
+   bf16 SDPA computes. On AVX512-BF16 (DK_ATT_DOT) the operands are packed in pairs for vdpbf16ps,
+   which does two products per lane: the queries' dims (d, d+1), K^T's rows (d, d+1) for 16 keys, P's
+   keys (c, c+1) and V's rows (c, c+1) for 16 dims, each pair one 32-bit word, first element low.
+   Other tiers round the same operands in place and run the FMA kernels above. */
+static inline uint32_t dk_att_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;  /* NaN stays a (quiet) NaN */
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+static inline float dk_att_round(float f) {
+    uint32_t u = dk_att_bits(f) << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+static inline void dk_att_round_run(float* x, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) x[i] = dk_att_round(x[i]);
+}
+/* The bf16 bits of element i of a row of float32 (rounded) or bf16 bits. */
+static inline uint32_t dk_att_elem(const void* base, int bf16, Py_ssize_t i) {
+    return bf16 ? ((const uint16_t*)base)[i] : dk_att_bits(((const float*)base)[i]);
+}
+/* One pair word from elements i and i + step of a row of float32 or bf16 bits. */
+static inline uint32_t dk_att_pair(const void* base, int bf16, Py_ssize_t i, Py_ssize_t step) {
+    return dk_att_elem(base, bf16, i) | dk_att_elem(base, bf16, i + step) << 16;
+}
+
+#if defined(__AVX512BF16__)
+#define DK_ATT_DOT 1
+/* s[0:rb, 0:32] = q2[0:rb, 0:D2] . kt2[0:D2, 0:32]: D2 = D / 2 pair words per query row */
+DK_AI void dk_qk2_rows(const int rb, const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk,
+                       float* s, Py_ssize_t lds) {
+    __m512 a[DK_RB][2];
+    for (int i = 0; i < rb; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    for (Py_ssize_t d = 0; d < D2; d++) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt2 + d * ldk);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt2 + d * ldk + 16);
+        for (int i = 0; i < rb; i++) {
+            __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q2[i * D2 + d]);
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], qi, k0);
+            a[i][1] = _mm512_dpbf16_ps(a[i][1], qi, k1);
+        }
+    }
+    for (int i = 0; i < rb; i++) {
+        _mm512_storeu_ps(s + i * lds, a[i][0]);
+        _mm512_storeu_ps(s + i * lds + 16, a[i][1]);
+    }
+}
+/* acc[0:rb, 0:32] += p2[0:rb, 0:n2] . v2[0:n2, 0:32]: n2 key pairs */
+DK_AI void dk_pv2_rows(const int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+    __m512 a[DK_RB][2];
+    for (int i = 0; i < rb; i++) {
+        a[i][0] = _mm512_loadu_ps(acc + i * lda);
+        a[i][1] = _mm512_loadu_ps(acc + i * lda + 16);
+    }
+    for (Py_ssize_t c = 0; c < n2; c++) {
+        __m512bh x0 = (__m512bh)_mm512_loadu_si512(v2 + c * ldv);
+        __m512bh x1 = (__m512bh)_mm512_loadu_si512(v2 + c * ldv + 16);
+        for (int i = 0; i < rb; i++) {
+            __m512bh pi = (__m512bh)_mm512_set1_epi32((int)p2[i * ldp + c]);
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], pi, x0);
+            a[i][1] = _mm512_dpbf16_ps(a[i][1], pi, x1);
+        }
+    }
+    for (int i = 0; i < rb; i++) {
+        _mm512_storeu_ps(acc + i * lda, a[i][0]);
+        _mm512_storeu_ps(acc + i * lda + 16, a[i][1]);
+    }
+}
+static void dk_qk2_block(int rb, const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk,
+                         float* s, Py_ssize_t lds) {
+    if (rb == DK_RB) dk_qk2_rows(DK_RB, q2, D2, kt2, ldk, s, lds);
+    else dk_qk2_rows(DK_RB_SMALL, q2, D2, kt2, ldk, s, lds);
+}
+static void dk_pv2_block(int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
+                         Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+    if (rb == DK_RB) dk_pv2_rows(DK_RB, p2, ldp, n2, v2, ldv, acc, lda);
+    else dk_pv2_rows(DK_RB_SMALL, p2, ldp, n2, v2, ldv, acc, lda);
+}
+/* x[0:n] rounded to bf16, stored as n bf16 at x's start: the pair words of an even-length row
+   (a pair is two consecutive bf16, first element low). Safe in place: chunk i writes bytes
+   [64 i, 64 i + 64), below the next chunk's unread floats at [128 (i + 1), ...). */
+static void dk_att_bf16_inplace(float* x, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512((uint16_t*)x + i, (__m512i)b);
+    }
+    for (; i < n; i++) {
+        uint16_t h = (uint16_t)dk_att_bits(x[i]);
+        memcpy((uint16_t*)x + i, &h, 2);
+    }
+}
+#else
+#define DK_ATT_DOT 0
+static void dk_qk2_block(int rb, const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk,
+                         float* s, Py_ssize_t lds) {}
+static void dk_pv2_block(int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
+                         Py_ssize_t ldv, float* acc, Py_ssize_t lda) {}
+static void dk_att_bf16_inplace(float* x, Py_ssize_t n) {}
+#endif
+
+/* kt2[d2 * ldt + c] = pair word (dims 2 d2, 2 d2 + 1) of source row c, c < n, d2 < D / 2 (D even):
+   K^T in pairs. bf16 rows are read as 32-bit elements and transposed as such; float32 rows are
+   transposed as floats first, then each pair of K^T rows is rounded into one row of words, in
+   place (row d2's words end before row 2 d2's floats begin, for d2 >= 1; row 0 loads first). */
+static void dk_load_kt2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                        uint32_t* kt2, Py_ssize_t ldt) {
+    if (bf16) {
+        dk_load_kt(base, 0, stride / 2, D / 2, n, (float*)kt2, ldt);
+        return;
+    }
+    float* kt = (float*)kt2;
+    dk_load_kt(base, 0, stride, D, n, kt, ldt);
+    for (Py_ssize_t d = 0; d < D / 2; d++) {
+        Py_ssize_t c = 0;
+#if defined(__AVX512BF16__)
+        for (; c + 16 <= n; c += 16) {
+            __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kt + 2 * d * ldt + c)));
+            __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kt + (2 * d + 1) * ldt + c)));
+            _mm512_storeu_si512(kt2 + d * ldt + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+#endif
+        for (; c < n; c++) {
+            uint32_t w = dk_att_bits(kt[2 * d * ldt + c]) | dk_att_bits(kt[(2 * d + 1) * ldt + c]) << 16;
+            memcpy(kt2 + d * ldt + c, &w, 4);
+        }
+    }
+}
+
+/* v2[c2 * ldv + d] = pair word (rows 2 c2, 2 c2 + 1) of dim d, c2 < ceil(n / 2), d < D: V in key
+   pairs; a missing last row reads as 0. */
+static void dk_load_v2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
+                       uint32_t* v2, Py_ssize_t ldv) {
+    for (Py_ssize_t c = 0; c + 1 < n; c += 2) {
+        Py_ssize_t d = 0;
+        uint32_t* dst = v2 + (c / 2) * ldv;
+#if defined(__AVX512BF16__)
+        if (bf16) {
+            const uint16_t* r = (const uint16_t*)base + c * stride;
+            for (; d + 16 <= D; d += 16) {
+                __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + d)));
+                __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + stride + d)));
+                _mm512_storeu_si512(dst + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        } else {
+            const float* r = (const float*)base + c * stride;
+            for (; d + 16 <= D; d += 16) {
+                __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + d)));
+                __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + stride + d)));
+                _mm512_storeu_si512(dst + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        }
+#endif
+        for (; d < D; d++) dst[d] = dk_att_pair(base, bf16, c * stride + d, stride);
+    }
+    if (n % 2) {
+        uint32_t* dst = v2 + (n / 2) * ldv;
+        for (Py_ssize_t d = 0; d < D; d++) dst[d] = dk_att_elem(base, bf16, (n - 1) * stride + d);
+    }
 }
 
 /* The last of a query block's key splits to finish merges them (acq_rel: it sees the others'

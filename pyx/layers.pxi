@@ -126,10 +126,10 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                     memcpy(<float *> vc + (start + t) * kvd, src, kvd * sizeof(float))
             if append:
                 _problem_init(&P, kc, vc, kv_bf16, end, kc, vc, kv_bf16, 0, T, Hq, Hkv, D, start, window, 1,
-                              <float> (D ** -0.5))
+                              <float> (D ** -0.5), parts)
             else:
                 _problem_init(&P, kc, vc, kv_bf16, start, kb, vb, 0, T, T, Hq, Hkv, D, start, window, causal,
-                              <float> (D ** -0.5))
+                              <float> (D ** -0.5), parts)
             rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()

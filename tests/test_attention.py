@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
+from dflash_kernels._precision import PRECISIONS
+from dflash_kernels._tensors import bf16_to_f32, f32_to_bf16
 from dflash_kernels.reference import attention as ref
 from support import KERNEL_BACKENDS, TOLERANCE, TOLERANCE_LONG, as_f64, as_torch, assert_close, make_float, readonly
 
@@ -31,10 +33,18 @@ def _cached_inputs(seed, t_q, t_kv, h_kv, group, d, dtype, q_dtype="float32"):
     return q, k, v
 
 
+def _ref_kw(kw):
+    """The reference's arguments: precision as its bf16 parts."""
+    kw = dict(kw)
+    if "precision" in kw:
+        kw["parts"] = PRECISIONS[kw.pop("precision")]
+    return kw
+
+
 def _check_injected(args, backend, tol, **kw):
     got = dk.injected_kv_attention(*args, backend=backend, **kw)
     assert got.dtype == np.float32 and got.shape == args[0].shape
-    assert_close(got, ref.injected_kv_attention(*(as_f64(a) for a in args), **kw), **tol,
+    assert_close(got, ref.injected_kv_attention(*(as_f64(a) for a in args), **_ref_kw(kw)), **tol,
                  what=f"injected_kv_attention {backend} {kw}")
     return got
 
@@ -42,7 +52,7 @@ def _check_injected(args, backend, tol, **kw):
 def _check_cached(args, backend, tol, **kw):
     got = dk.cached_attention(*args, backend=backend, **kw)
     assert got.dtype == np.float32 and got.shape == args[0].shape
-    assert_close(got, ref.cached_attention(*(as_f64(a) for a in args), **kw), **tol,
+    assert_close(got, ref.cached_attention(*(as_f64(a) for a in args), **_ref_kw(kw)), **tol,
                  what=f"cached_attention {backend} {kw}")
     return got
 
@@ -109,6 +119,54 @@ def test_cython_equals_numba(t_q, t_ctx, group, dtype, causal_block, window, see
     c = dk.injected_kv_attention(*args, backend="cython", **kw)
     n = dk.injected_kv_attention(*args, backend="numba", **kw)
     np.testing.assert_allclose(c, n, rtol=2e-6, atol=2e-6)
+
+
+# "medium" against the reference's own rounding: fp32 sums differ, and so does where P is rounded
+# (the kernels round exp(s - running max) per key tile, the reference exp(s - row max), each to
+# within 2^-9 relative).
+TOLERANCE_MEDIUM = dict(rtol=5e-3, atol=5e-3)
+
+
+@given(t_q=st.integers(1, 20), t_ctx=st.sampled_from([0, 1, 7, 64, 65, 150]), group=st.integers(1, 6),
+       d=st.sampled_from([31, 64, 128]), dtype=DTYPES, ctx_dtype=DTYPES, causal_block=st.booleans(),
+       window=WINDOWS, seed=st.integers(0, 2**32 - 1))
+def test_medium_matches_reference(kernel_backend, t_q, t_ctx, group, d, dtype, ctx_dtype, causal_block, window,
+                                  seed):
+    """Every tier's "medium" path (vdpbf16ps pair words on AVX512-BF16 with D even, rounded operands
+    on FMA otherwise), with mixed source dtypes and key pairs that straddle the two sources."""
+    args = _injected_inputs(seed, t_q, t_ctx, 2, group, d, dtype, ctx_dtype)
+    _check_injected(args, kernel_backend, TOLERANCE_MEDIUM, causal_block=causal_block, window=window,
+                    precision="medium")
+    cargs = _cached_inputs(seed, t_q, t_ctx + t_q, 2, group, d, dtype)
+    _check_cached(cargs, kernel_backend, TOLERANCE_MEDIUM, window=window, precision="medium")
+
+
+@pytest.mark.parametrize("d", [2, 3, 64])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_medium_rounds_every_operand(kernel_backend, d, kv):
+    """Two keys, scale 1: key 0 is zero, key 1 and the query are 1.003 on dim 0 (1 in bf16); V is
+    1 / 0. "medium" then gives exactly bf16(e^-1) / (1 + e^-1) (queries, K and P rounded), and
+    one key gives bf16(v) (V rounded); "highest" and "high" give the unrounded values."""
+    q = np.zeros((1, 1, d), np.float32)
+    q[0, 0, 0] = 1.003
+    k = np.zeros((2, 1, d), np.float32)
+    k[1, 0, 0] = 1.003
+    v = np.zeros((2, 1, d), np.float32)
+    v[0, 0, :] = 1.0
+    v_one = np.random.default_rng(0).standard_normal((1, 1, d)).astype(np.float32)
+    if kv == "bfloat16":
+        k, v = f32_to_bf16(k), f32_to_bf16(v)
+    kw = dict(scale=1.0, backend=kernel_backend)
+    p0 = float(bf16_to_f32(f32_to_bf16(np.float32([np.exp(-1.0)])))[0])
+    got = dk.cached_attention(q, k, v, precision="medium", **kw)[0, 0, 0]
+    assert abs(got - p0 / (1 + np.exp(-1.0))) < 1e-6
+    one = dk.cached_attention(q[:, :, :], v_one, v_one, precision="medium", **kw)
+    np.testing.assert_array_equal(one, bf16_to_f32(f32_to_bf16(v_one)))
+    s1 = 1.003 * (1.003 if kv == "float32" else 1.0)
+    exact = np.exp(-s1) / (1 + np.exp(-s1))
+    for precision in ("highest", "high"):
+        assert abs(dk.cached_attention(q, k, v, precision=precision, **kw)[0, 0, 0] - exact) < 1e-6
+        np.testing.assert_array_equal(dk.cached_attention(q, v_one, v_one, precision=precision, **kw), v_one)
 
 
 def test_window_semantics(kernel_backend):

@@ -332,14 +332,17 @@ def test_every_backend_same_greedy_tokens(plain, backend):
 
 
 @pytest.mark.parametrize("tier", [None, *MACHINE_TIERS])
-@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
-def test_greedy_lossless_every_tier_and_precision(hot, tier, precision):
+@pytest.mark.parametrize("precision,kv_dtype", [("highest", "float32"), ("high", "float32"), ("medium", "float32"),
+                                                ("medium", "bfloat16")])
+def test_greedy_lossless_every_tier_and_precision(hot, tier, precision, kv_dtype):
     """Under each ISA cap and matmul precision, DFlash greedy == AR greedy of the same engine (the
-    bf16 checkpoint's verify rows take the AMX / FMA block paths, the AR step the GEMV path)."""
+    bf16 checkpoint's verify rows take the AMX / FMA block paths, the AR step the GEMV path; at
+    "medium" with a bf16 cache, attention runs on vdpbf16ps where the CPU has it)."""
     if tier is not None:
         dk.set_isa(tier)
     try:
-        eng = dm.load(hot.target_dir, hot.drafter_dir, max_len=128, n_threads=1, precision=precision)
+        eng = dm.load(hot.target_dir, hot.drafter_dir, max_len=128, n_threads=1, precision=precision,
+                      kv_dtype=kv_dtype)
         assert eng.ops.precision == precision
         accepted = 0
         for p in prompts(6, seed=1):

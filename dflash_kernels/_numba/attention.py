@@ -58,6 +58,21 @@ def _exp1(x):
 
 
 @njit(inline="always", **JIT)
+def _round_bf16(x, fbuf, ibuf):
+    """x[:] rounded to bf16, nearest even, inf and NaN kept: the "medium" operands (queries, K, V,
+    P; see pyx/dk_attention.h). fbuf: float32 scratch at least as long as x, ibuf its int32 view."""
+    n = x.shape[0]
+    for i in range(n):
+        fbuf[i] = x[i]
+    for i in range(n):
+        u = ibuf[i]
+        if (u & 0x7F800000) != 0x7F800000:
+            ibuf[i] = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+    for i in range(n):
+        x[i] = fbuf[i]
+
+
+@njit(inline="always", **JIT)
 def _interval(t, q_off, t_kv, causal, window):
     """(lo, hi): first and last key positions visible to query t."""
     pos = q_off + t
@@ -67,7 +82,7 @@ def _interval(t, q_off, t_kv, causal, window):
 
 
 @njit(**JIT)
-def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, scale, qb_t, split, rows):
+def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, scale, qb_t, split, rows, medium):
     t_q, h_q, d = q.shape
     t1, h_kv = k1.shape[0], k1.shape[1]
     t_kv = t1 + k2.shape[0]
@@ -88,6 +103,12 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
             t = t0 + r // group
             for i in range(d):
                 qp[g, r, i] = q[t, g * group + r % group, i] * scale
+    fbuf = np.empty(max(d, KT), np.float32)
+    ibuf = fbuf.view(np.int32)
+    if medium:
+        for g in range(h_kv):
+            for r in range(n_rows):
+                _round_bf16(qp[g, r], fbuf, ibuf)
     if split == 1:
         m = np.full((h_kv, rows), -np.inf, np.float32)
         lsum = np.zeros((h_kv, rows), np.float32)
@@ -117,6 +138,9 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
                 else:
                     load_f32(k2[j - t1, g], row)
                     load_f32(v2[j - t1, g], vt[c, :d])
+                if medium:
+                    _round_bf16(row, fbuf, ibuf)
+                    _round_bf16(vt[c, :d], fbuf, ibuf)
                 for r0 in range(0, rows, 4):
                     q0, q1, q2, q3 = qp[g, r0], qp[g, r0 + 1], qp[g, r0 + 2], qp[g, r0 + 3]
                     s0 = s1 = s2 = s3 = np.float32(0.0)
@@ -157,6 +181,8 @@ def _item(item, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, sca
                         acc[g, r, i] *= alpha
                     m[g, r] = m_new
                 lsum[g, r] += tot
+                if medium:  # P V takes the rounded probabilities; the sum kept them exact
+                    _round_bf16(srow, fbuf, ibuf)
             # acc += P V, four rows per pass over V
             for r0 in range(0, rows, 4):
                 o0, o1, o2, o3 = acc[g, r0], acc[g, r0 + 1], acc[g, r0 + 2], acc[g, r0 + 3]
@@ -210,7 +236,7 @@ def _merge(unit, out, pm, pl, pacc, qb_t, split):
 
 
 @njit(parallel=True, **JIT)
-def _attend(q, k1, v1, k2, v2, out, q_off, causal, window, scale, qb_t, split, rows, dp):
+def _attend(q, k1, v1, k2, v2, out, q_off, causal, window, scale, medium, qb_t, split, rows, dp):
     n_qb = (q.shape[0] + qb_t - 1) // qb_t
     h_kv = k1.shape[1]
     n_items = n_qb * split
@@ -223,7 +249,7 @@ def _attend(q, k1, v1, k2, v2, out, q_off, causal, window, scale, qb_t, split, r
         pl = np.empty((1, h_kv, rows), np.float32)
         pacc = np.empty((1, h_kv, rows, dp), np.float32)
     for it in prange(n_items):
-        _item(it, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, scale, qb_t, split, rows)
+        _item(it, q, k1, v1, k2, v2, out, pm, pl, pacc, q_off, causal, window, scale, qb_t, split, rows, medium)
     if split > 1:
         for u in prange(n_qb * h_kv):
             _merge(u, out, pm, pl, pacc, qb_t, split)
@@ -242,19 +268,19 @@ def _plan(t_q, t_kv, h_q, h_kv, d):
     return qb_t, split, rows, dp
 
 
-def _run(q, k1, v1, k2, v2, out, q_off, causal, window, scale, n_threads):
+def _run(q, k1, v1, k2, v2, out, q_off, causal, window, scale, n_threads, parts):
     t_q, h_q, d = q.shape
     plan = _plan(t_q, k1.shape[0] + k2.shape[0], h_q, k1.shape[1], d)
     with numba_threads(n_threads):
         _attend(q, k1, v1, k2, v2, out, q_off, bool(causal), 0 if window is None else int(window),
-                np.float32(scale), *plan)
+                np.float32(scale), parts == 1, *plan)
 
 
-def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, out, *, n_threads, scale, causal_block, window):
-    _run(q, k_ctx, v_ctx, k_blk, v_blk, out, k_ctx.shape[0], causal_block, window, scale, n_threads)
+def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, out, *, n_threads, scale, causal_block, window, parts=3):
+    _run(q, k_ctx, v_ctx, k_blk, v_blk, out, k_ctx.shape[0], causal_block, window, scale, n_threads, parts)
 
 
-def cached_attention(q, k_cache, v_cache, out, *, n_threads, causal, scale, window):
+def cached_attention(q, k_cache, v_cache, out, *, n_threads, causal, scale, window, parts=3):
     empty = k_cache[:0]
     _run(q, k_cache, v_cache, empty, empty, out, k_cache.shape[0] - q.shape[0], causal, window, scale,
-         n_threads)
+         n_threads, parts)

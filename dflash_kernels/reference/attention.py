@@ -6,6 +6,8 @@ Positions: keys are numbered 0 .. T_kv-1; query i sits at position q_off + i.
 
 import torch
 
+from .dense import round_activations
+
 
 def _visible(t_q: int, t_kv: int, q_off: int, causal: bool, window) -> torch.Tensor:
     """(T_q, T_kv) bool: key j visible to query i (position p = q_off + i).
@@ -22,17 +24,27 @@ def _visible(t_q: int, t_kv: int, q_off: int, causal: bool, window) -> torch.Ten
     return ok
 
 
-def _attend(q, k, v, scale, ok):
+def _bf16(x):
+    return round_activations(x, 1).to(x.dtype)
+
+
+def _attend(q, k, v, scale, ok, parts):
+    """parts 1 ("medium"): both products take bf16 operands, the scaled queries, K, V and the
+    probabilities before normalisation, as in the kernels; 2 and 3 compute exactly."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # (T_kv, H_q, D): query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
+    if parts == 1:
+        q, k, v, scale = _bf16(q * scale), _bf16(k), _bf16(v), 1.0
     s = torch.einsum("qhd,khd->hqk", q, k) * scale  # (H_q, T_q, T_kv)
     s = s.masked_fill(~ok, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, v)  # (T_q, H_q, D)
+    if parts != 1:
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)  # (T_q, H_q, D)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return torch.einsum("hqk,khd->qhd", _bf16(e) / e.sum(-1, keepdim=True), v)
 
 
-def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_block=False, window=None):
+def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_block=False, window=None, parts=3):
     """softmax(q [k_ctx | k_blk]^T * scale) [v_ctx | v_blk]; the block sits at positions T_ctx + i."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -40,13 +52,13 @@ def injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, scale=None, causal_b
     k = torch.cat([k_ctx.to(q.dtype), k_blk.to(q.dtype)])  # (T_ctx + T_q, H_kv, D)
     v = torch.cat([v_ctx.to(q.dtype), v_blk.to(q.dtype)])
     ok = _visible(t_q, t_ctx + t_q, t_ctx, causal_block, window)
-    return _attend(q, k, v, scale, ok)
+    return _attend(q, k, v, scale, ok, parts)
 
 
-def cached_attention(q, k_cache, v_cache, *, causal=True, scale=None, window=None):
+def cached_attention(q, k_cache, v_cache, *, causal=True, scale=None, window=None, parts=3):
     """q are the last T_q positions of the cache: query i sits at position T_kv - T_q + i."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     t_q, t_kv = q.shape[0], k_cache.shape[0]
     ok = _visible(t_q, t_kv, t_kv - t_q, causal, window)
-    return _attend(q, k_cache.to(q.dtype), v_cache.to(q.dtype), scale, ok)
+    return _attend(q, k_cache.to(q.dtype), v_cache.to(q.dtype), scale, ok, parts)
