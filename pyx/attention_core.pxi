@@ -63,7 +63,7 @@ cdef struct Problem:
     Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
     Py_ssize_t rows    # packed rows per item, rounded up to rb
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
-    int dot            # ... on the vdpbf16ps kernels (AVX512-BF16 tiers, D even)
+    int dot            # ... on the vdpbf16ps kernels (AVX512-BF16 built, where it pays, D even)
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -396,9 +396,11 @@ cdef void _merge(const Problem* P, Py_ssize_t unit, float* out, const float* par
 cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_ssize_t T1, const void* k2,
                         const void* v2, int bf2, Py_ssize_t T2, Py_ssize_t T_q, Py_ssize_t H_q,
                         Py_ssize_t H_kv, Py_ssize_t D, Py_ssize_t q_off, Py_ssize_t window, int causal,
-                        float scale, int parts) noexcept nogil:
+                        float scale, int parts, int bf16dot) noexcept nogil:
     """Fill P: queries (T_q, H_q, D) at positions q_off.., keys [source 1 | source 2], each (T, H_kv, D)
-    float32 (bf = 0) or bf16 bits; window 0: none. The work split follows from the shape alone."""
+    float32 (bf = 0) or bf16 bits; window 0: none. The work split follows from the shape alone.
+    parts: the precision's bf16 parts (1: "medium"); bf16dot: vdpbf16ps pays on this CPU (the
+    dense module's measured rule: twice the FMA rate on Zen 4, half on Sapphire Rapids)."""
     P.k1, P.v1, P.k2, P.v2 = k1, v1, k2, v2
     P.bf1, P.bf2 = bf1, bf2
     P.T1, P.T2 = T1, T2
@@ -411,7 +413,7 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.causal = causal
     P.scale = scale
     P.medium = parts == 1  # "high" (2 parts) computes as "highest": exact operands
-    P.dot = P.medium and ATT_DOT and D % 2 == 0
+    P.dot = P.medium and ATT_DOT and bf16dot and D % 2 == 0
     P.qb_t = max(1, QROWS // P.group)
     P.n_qb = (T_q + P.qb_t - 1) // P.qb_t
     P.rows = min(P.qb_t, T_q) * P.group

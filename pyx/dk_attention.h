@@ -156,9 +156,9 @@ static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t
 }
 
 /* dst[c * ldd + d] = element d of source row c (rows `stride` elements apart), c < n, d < D: the V
-   tile copied (and upcast) into contiguous rows. Read in place, a tile's rows sit a whole cache row
-   (H_kv * D elements, often 4 KiB) apart, so they all map to the same L1 sets and evict each other
-   while P V streams them (8 row blocks x Dp / DK_CB column blocks per tile). */
+   tile copied (and upcast) into contiguous rows, where "medium" rounds it. Read in place, a tile's
+   rows sit a whole cache row apart (H_kv * D elements, 4 KiB at 8 x 128 fp32) and share L1 sets; the
+   copy costs about what those conflicts did (bench/attention_ab.py: 0.98-1.05x on fp32 K/V). */
 static void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                          float* dst, Py_ssize_t ldd) {
     for (Py_ssize_t c = 0; c < n; c++) {
