@@ -327,15 +327,17 @@ def _rewinder(cache, base: int):
 
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
-            rollback=(15, 6), precision=None) -> dict:
+            rollback=(15, 6), precision=None, kv_dtype="float32") -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
-    after a k-draft verification (the Gated DeltaNet state restore), None to skip."""
+    after a k-draft verification (the Gated DeltaNet state restore), None to skip. kv_dtype: the
+    target's KV cache storage ("float32" or "bfloat16")."""
     from dflash_kernels.model import load
 
+    # packed weights (fuse_weights): the layout a model that fits in memory runs with
     eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
-               fuse_weights=True)  # the layout a model that fits in memory runs with (packed weights)
+               kv_dtype=kv_dtype, fuse_weights=True)
     tgt, dr = eng.target, eng.drafter
-    cache, ctx = tgt.new_cache(context + 64), dr.new_cache(context + 64)
+    cache, ctx = tgt.new_cache(context + 64, kv_dtype), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, min(151643, tgt.cfg.vocab_size), context).tolist()
     _, taps = tgt.forward(prompt, cache, last_only=True, taps=True)
@@ -410,6 +412,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="write the pair to DIR/target and DIR/drafter and keep it "
                                                   "(reused when DIR already holds one)")
     ap.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"), help="target KV cache")
     ap.add_argument("--isa", default=None, help="cap the ISA tier (as DFLASH_ISA)")
     ap.add_argument("--target", help="time this checkpoint (directory or GGUF) instead of a random --shape pair")
     ap.add_argument("--drafter", help="its DFlash drafter (with --target)")
@@ -451,10 +454,10 @@ def main(argv=None) -> int:
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
             written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
-                      precision=args.precision)
+                      precision=args.precision, kv_dtype=args.kv_dtype)
         import dflash_kernels as dk
 
-        res.update(tier=dk.active_tier(), precision=args.precision)
+        res.update(tier=dk.active_tier(), precision=args.precision, kv_dtype=args.kv_dtype)
         n_layers = s.layers if args.target else json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
@@ -475,7 +478,7 @@ def main(argv=None) -> int:
             taus = {s_["k"]: s_["tau"] for s_ in taus["sweep"]}
         res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
-    print(f"tier {res['tier']}, precision {res['precision']}")
+    print(f"tier {res['tier']}, precision {res['precision']}, KV cache {res['kv_dtype']}")
     if "timed_layers" in res:
         print(f"timed {res['timed_layers']} of {s.layers} target layers at full width (with the full LM head "
               f"and drafter) and scaled the layers' time to {s.layers} layers")
