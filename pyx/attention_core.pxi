@@ -24,7 +24,6 @@ cdef extern from "dk_attention.h":
                       float* dst, Py_ssize_t ldd) noexcept nogil
     # "medium" (see dk_attention.h): bf16 operands; ATT_DOT: vdpbf16ps kernels on pair words
     int ATT_DOT "DK_ATT_DOT"
-    float dk_att_round(float f) noexcept nogil
     void dk_att_round_run(float* x, Py_ssize_t n) noexcept nogil
     uint32_t dk_att_elem(const void* base, int bf16, Py_ssize_t i) noexcept nogil
     void dk_qk2_block(int rb, const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
