@@ -35,18 +35,19 @@ cdef const void* _ptr(cnp.ndarray a):
     return <const void*>cnp.PyArray_DATA(a)
 
 
-def _bf16dot_pays():
-    """Whether "medium" runs on vdpbf16ps: the rule linear follows (dense.bf16dot_pays, this tier's
-    module), so that set_bf16dot_enabled there switches both."""
-    return importlib.import_module(__name__.rpartition(".")[0] + ".dense").bf16dot_pays()
+def _dense():
+    """This tier's dense module: its rules for vdpbf16ps (bf16dot_pays) and AMX (amx_available) hold
+    for "medium" attention too, so that set_bf16dot_enabled / set_amx_enabled there switch both."""
+    return importlib.import_module(__name__.rpartition(".")[0] + ".dense")
 
 
 def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float scale, int n_threads, int parts):
     cdef Problem P
-    cdef int dot = ATT_DOT and parts == 1 and _bf16dot_pays()
+    cdef int dot = ATT_DOT and parts == 1 and _dense().bf16dot_pays()
+    cdef int amx = ATT_AMX and parts == 1 and _dense().amx_available()
     _problem_init(&P, _ptr(k1), _ptr(v1), k1.dtype == np.uint16, k1.shape[0], _ptr(k2), _ptr(v2),
                   k2.dtype == np.uint16, k2.shape[0], q.shape[0], q.shape[1], k1.shape[1], q.shape[2], q_off,
-                  0 if window is None else window, causal, scale, parts, dot)
+                  0 if window is None else window, causal, scale, parts, dot, amx)
     cdef cnp.ndarray qa = q
     cdef cnp.ndarray oa = out
     cdef int rc

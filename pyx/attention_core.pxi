@@ -31,6 +31,13 @@ cdef extern from "dk_attention.h":
     void dk_pv2_block(int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
                       Py_ssize_t ldv, float* acc, Py_ssize_t lda) noexcept nogil
     void dk_att_bf16_inplace(float* x, Py_ssize_t n) noexcept nogil
+    int ATT_AMX "DK_AMX_BUILT"
+    void att_amx_begin "dk_amx_begin"() noexcept nogil
+    void att_amx_end "dk_amx_end"() noexcept nogil
+    void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
+                   Py_ssize_t lds) noexcept nogil
+    void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
+                   Py_ssize_t lda, Py_ssize_t Dp) noexcept nogil
     void dk_load_kt2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* kt2,
                      Py_ssize_t ldt) noexcept nogil
     void dk_load_v2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* v2,
@@ -62,7 +69,8 @@ cdef struct Problem:
     Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
     Py_ssize_t rows    # packed rows per item, rounded up to rb
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
-    int dot            # ... on the vdpbf16ps kernels (AVX512-BF16 built, where it pays, D even)
+    int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
+    int amx            # ... on AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -190,6 +198,9 @@ cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssi
         for c in range((kn + 1) // 2):
             for d in range(D, Dp):
                 v2[c * Dp + d] = 0
+    for c in range((kn + 1) // 2, KT // 2):  # AMX's B tile reads all KT / 2 key pairs
+        for d in range(Dp):
+            v2[c * Dp + d] = 0
 
 
 cdef inline float _row_max(const float* s) noexcept nogil:
@@ -301,6 +312,8 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
         dk_att_bf16_inplace(qp, H * Rp * D)
     elif P.medium:
         dk_att_round_run(qp, H * Rp * D)
+    if P.amx:
+        att_amx_begin()
 
     for tile in range(s * n_tiles // split, (s + 1) * n_tiles // split):
         j0 = lo_min + tile * KT
@@ -321,7 +334,9 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 if j_pf <= hi_max:
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
                                    min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
-                for c0 in range(KT // DK_CB):
+                if P.amx:
+                    dk_qk_amx(q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt, KT, sc + r0 * P.rb * KT, KT)
+                for c0 in range(0 if P.amx else KT // DK_CB):
                     if P.dot:
                         dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
                                      KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
@@ -340,13 +355,17 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                         dk_att_bf16_inplace(sc + r * KT, KT)
                     elif P.medium:
                         dk_att_round_run(sc + r * KT, KT)
-                for c0 in range(Dp // DK_CB):
+                if P.amx:
+                    dk_pv_amx(<uint32_t*>sc + r0 * P.rb * KT, KT, <const uint32_t*>vsrc, ldv, ag + r0 * P.rb * Dp, Dp, Dp)
+                for c0 in range(0 if P.amx else Dp // DK_CB):
                     if P.dot:
                         dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
                                      <const uint32_t*>vsrc + c0 * DK_CB, ldv, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
                     else:
                         dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
                                     ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+    if P.amx:
+        att_amx_end()
 
     if split == 1:
         for g in range(H):
@@ -395,11 +414,12 @@ cdef void _merge(const Problem* P, Py_ssize_t unit, float* out, const float* par
 cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_ssize_t T1, const void* k2,
                         const void* v2, int bf2, Py_ssize_t T2, Py_ssize_t T_q, Py_ssize_t H_q,
                         Py_ssize_t H_kv, Py_ssize_t D, Py_ssize_t q_off, Py_ssize_t window, int causal,
-                        float scale, int parts, int bf16dot) noexcept nogil:
+                        float scale, int parts, int bf16dot, int amx) noexcept nogil:
     """Fill P: queries (T_q, H_q, D) at positions q_off.., keys [source 1 | source 2], each (T, H_kv, D)
     float32 (bf = 0) or bf16 bits; window 0: none. The work split follows from the shape alone.
     parts: the precision's bf16 parts (1: "medium"); bf16dot: vdpbf16ps pays on this CPU (the
-    dense module's measured rule: twice the FMA rate on Zen 4, half on Sapphire Rapids)."""
+    dense module's measured rule: twice the FMA rate on Zen 4, half on Sapphire Rapids); amx: AMX
+    tiles are enabled and granted (dense.amx_available)."""
     P.k1, P.v1, P.k2, P.v2 = k1, v1, k2, v2
     P.bf1, P.bf2 = bf1, bf2
     P.T1, P.T2 = T1, T2
@@ -412,11 +432,14 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.causal = causal
     P.scale = scale
     P.medium = parts == 1  # "high" (2 parts) computes as "highest": exact operands
-    P.dot = P.medium and ATT_DOT and bf16dot and D % 2 == 0
+    P.amx = P.medium and ATT_AMX and amx and D % 32 == 0
+    P.dot = P.amx or (P.medium and ATT_DOT and bf16dot and D % 2 == 0)
     P.qb_t = max(1, QROWS // P.group)
     P.n_qb = (T_q + P.qb_t - 1) // P.qb_t
     P.rows = min(P.qb_t, T_q) * P.group
     P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
+    if P.amx:
+        P.rb = 16  # one tile of rows
     P.rows = (P.rows + P.rb - 1) // P.rb * P.rb
     P.split = 1
     if P.n_qb < SPLIT_ITEMS:

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "dk_amx.h"  /* tile config and permission, for "medium" on AMX */
 #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
 
 /* Ask for a K or V row ahead of use (into L2): one kv head's rows are H_kv * D elements apart,
@@ -277,6 +278,51 @@ static void dk_qk2_block(int rb, const uint32_t* q2, Py_ssize_t D2, const uint32
 static void dk_pv2_block(int rb, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t n2, const uint32_t* v2,
                          Py_ssize_t ldv, float* acc, Py_ssize_t lda) {}
 static void dk_att_bf16_inplace(float* x, Py_ssize_t n) {}
+#endif
+
+#if DK_AMX_BUILT
+/* "medium" on AMX tiles: the pair words above are the tiles' layouts. One TDPBF16PS multiplies a
+   16-row A tile of bf16 pairs by a B tile of 16 pair rows x 16 columns: q2 rows by K^T's dim
+   pairs (kt2) for S, P's key-pair words by V's key pairs (v2) for P V. Tiles: 0-1 C, 2 A, 3-4 B. */
+
+/* s[0:16, 0:32] (row stride lds) = q2[0:16, 0:D2] (row stride D2 words) . kt2[0:D2, 0:32] (row
+   stride ldk words); D2 a multiple of 16 */
+static void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
+                      Py_ssize_t lds) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (Py_ssize_t d = 0; d < D2; d += 16) {
+        _tile_loadd(2, q2 + d, D2 * 4);
+        _tile_loadd(3, kt2 + d * ldk, ldk * 4);
+        _tile_loadd(4, kt2 + d * ldk + 16, ldk * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, s, lds * 4);
+    _tile_stored(1, s + 16, lds * 4);
+}
+
+/* acc[0:16, 0:Dp] (row stride lda) += p2[0:16, 0:16] (row stride ldp words) . v2[0:16, 0:Dp] (row
+   stride ldv words): 32 keys; Dp a multiple of 32 */
+static void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
+                      Py_ssize_t lda, Py_ssize_t Dp) {
+    _tile_loadd(2, p2, ldp * 4);
+    for (Py_ssize_t c = 0; c < Dp; c += 32) {
+        _tile_loadd(0, acc + c, lda * 4);
+        _tile_loadd(1, acc + c + 16, lda * 4);
+        _tile_loadd(3, v2 + c, ldv * 4);
+        _tile_loadd(4, v2 + c + 16, ldv * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_stored(0, acc + c, lda * 4);
+        _tile_stored(1, acc + c + 16, lda * 4);
+    }
+}
+#else
+static void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
+                      Py_ssize_t lds) {}
+static void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
+                      Py_ssize_t lda, Py_ssize_t Dp) {}
 #endif
 
 /* kt2[d2 * ldt + c] = pair word (dims 2 d2, 2 d2 + 1) of source row c, c < n, d2 < D / 2 (D even):

@@ -50,6 +50,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
         return
     if parts < 3:  # the vdpbf16ps rule (linear and attention) is measured once, before the C code reads it
         bf16dot_pays()
+    cdef int amx = parts == 1 and amx_available()
     if (end if append else start) > k_cache.shape[0]:
         raise ValueError(f"qwen3_layer: positions up to {end if append else start} do not fit the cache of "
                          f"{k_cache.shape[0]}")
@@ -128,10 +129,10 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                     memcpy(<float *> vc + (start + t) * kvd, src, kvd * sizeof(float))
             if append:
                 _problem_init(&P, kc, vc, kv_bf16, end, kc, vc, kv_bf16, 0, T, Hq, Hkv, D, start, window, 1,
-                              <float> (D ** -0.5), parts, _dp_pays == 1)
+                              <float> (D ** -0.5), parts, _dp_pays == 1, amx)
             else:
                 _problem_init(&P, kc, vc, kv_bf16, start, kb, vb, 0, T, T, Hq, Hkv, D, start, window, causal,
-                              <float> (D ** -0.5), parts, _dp_pays == 1)
+                              <float> (D ** -0.5), parts, _dp_pays == 1, amx)
             rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()

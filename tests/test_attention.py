@@ -127,23 +127,28 @@ def test_cython_equals_numba(t_q, t_ctx, group, dtype, causal_block, window, see
 TOLERANCE_MEDIUM = dict(rtol=5e-3, atol=5e-3)
 
 
-def _bf16dot_settings(backend):
-    """Where the Cython tier has vdpbf16ps, "medium" runs on it only if it measured ahead of FMA on
-    this CPU (dense.bf16dot_pays: Zen 4 yes, Sapphire Rapids no); the tests force both ways."""
-    if backend != "cython" or not dk.kernel_module("dense", "cython").bf16dot_available():
-        return (None,)
-    return (False, True)
-
-
-def _each_bf16dot(backend, check):
+def _medium_paths(backend):
+    """(bf16dot, amx) settings that reach each "medium" path of this tier: vdpbf16ps runs only where
+    it measured ahead of FMA (dense.bf16dot_pays: Zen 4 yes, Sapphire Rapids no) and AMX where the
+    CPU grants it; the tests force each one that is built."""
     dense = dk.kernel_module("dense", "cython") if backend == "cython" else None
-    for dot in _bf16dot_settings(backend):
-        old = dense.set_bf16dot_enabled(dot) if dot is not None else None
+    if dense is None or not dense.bf16dot_available():
+        return [(None, None)]
+    return [(False, False), (True, False)] + ([(None, True)] if dense.amx_available() else [])
+
+
+def _each_medium_path(backend, check):
+    dense = dk.kernel_module("dense", "cython") if backend == "cython" else None
+    for dot, amx in _medium_paths(backend):
+        old_dot = dense.set_bf16dot_enabled(dot) if dot is not None else None
+        old_amx = dense.set_amx_enabled(amx) if amx is not None else None
         try:
             check()
         finally:
             if dot is not None:
-                dense.set_bf16dot_enabled(old)
+                dense.set_bf16dot_enabled(old_dot)
+            if amx is not None:
+                dense.set_amx_enabled(old_amx)
 
 
 @given(t_q=st.integers(1, 20), t_ctx=st.sampled_from([0, 1, 7, 64, 65, 150]), group=st.integers(1, 6),
@@ -151,8 +156,9 @@ def _each_bf16dot(backend, check):
        window=WINDOWS, seed=st.integers(0, 2**32 - 1))
 def test_medium_matches_reference(kernel_backend, t_q, t_ctx, group, d, dtype, ctx_dtype, causal_block, window,
                                   seed):
-    """Every tier's "medium" paths (vdpbf16ps pair words on AVX512-BF16 with D even, rounded operands
-    on FMA), with mixed source dtypes and key pairs that straddle the two sources."""
+    """Every tier's "medium" paths (pair words on AMX tiles or vdpbf16ps, rounded operands on FMA),
+    with mixed source dtypes, D not a multiple of 32 or odd, and key pairs that straddle the two
+    sources."""
     args = _injected_inputs(seed, t_q, t_ctx, 2, group, d, dtype, ctx_dtype)
     cargs = _cached_inputs(seed, t_q, t_ctx + t_q, 2, group, d, dtype)
 
@@ -160,7 +166,7 @@ def test_medium_matches_reference(kernel_backend, t_q, t_ctx, group, d, dtype, c
         _check_injected(args, kernel_backend, TOLERANCE_MEDIUM, causal_block=causal_block, window=window,
                         precision="medium")
         _check_cached(cargs, kernel_backend, TOLERANCE_MEDIUM, window=window, precision="medium")
-    _each_bf16dot(kernel_backend, check)
+    _each_medium_path(kernel_backend, check)
 
 
 @pytest.mark.parametrize("d", [2, 3, 64])
@@ -186,7 +192,7 @@ def test_medium_rounds_every_operand(kernel_backend, d, kv):
         assert abs(got - p0 / (1 + np.exp(-1.0))) < 1e-6
         one = dk.cached_attention(q, v_one, v_one, precision="medium", **kw)
         np.testing.assert_array_equal(one, bf16_to_f32(f32_to_bf16(v_one)))
-    _each_bf16dot(kernel_backend, check)
+    _each_medium_path(kernel_backend, check)
     s1 = 1.003 * (1.003 if kv == "float32" else 1.0)
     exact = np.exp(-s1) / (1 + np.exp(-s1))
     for precision in ("highest", "high"):
