@@ -47,8 +47,9 @@ def tier_lines() -> list[str]:
     entries = sorted(delegated_entries(default_threads()))
     lines.append(f"linear shapes delegated to torch here (tune_linear / dflash tune-kernels, {cache_file()}): "
                  + (", ".join(entries) if entries else "none"))
-    medium = "vdpbf16ps on bf16 pair words" if dense.bf16dot_available() and dense.bf16dot_pays() \
-        else "FMA on operands rounded to bf16"
+    medium = ("AMX tiles" if dense.amx_available() else
+              "vdpbf16ps" if dense.bf16dot_available() and dense.bf16dot_pays() else "")
+    medium = f"{medium} on bf16 pair words" if medium else "FMA on operands rounded to bf16"
     lines.append(f"attention \"medium\": {dense.TIER}:{medium}; \"highest\" / \"high\": {dense.TIER}:fma")
     lines.append(f"attention, denoise_block, norms, RoPE, linear attention: {dense.TIER} vectors "
                  f"({'16' if dense.TIER != 'avx2' else '8'}-float FMA where the compiler vectorises)")

@@ -16,8 +16,9 @@ or V give unspecified (typically NaN) outputs for the rows that see them.
 Precision (``precision=``, default ``set_matmul_precision``'s): "highest" and "high" compute both
 products exactly in fp32. "medium" gives both products bf16 operands, as torch's bf16 SDPA does: the
 scaled queries, K, V and the probabilities are rounded to bf16 (nearest even), their products are
-exact and summed in fp32, and the softmax's max, exp and sum stay fp32. On AVX512-BF16 CPUs this
-runs on vdpbf16ps, twice the FMA rate; bf16 K/V are then read without conversion.
+exact and summed in fp32, and the softmax's max, exp and sum stay fp32. It runs on AMX tiles where
+the CPU has them, on vdpbf16ps where that measures ahead of FMA (Zen 4: twice the rate), and on FMA
+over the rounded operands elsewhere; bf16 K/V are read without conversion on the first two.
 """
 
 from __future__ import annotations
