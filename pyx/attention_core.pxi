@@ -90,22 +90,6 @@ cdef inline Py_ssize_t _hi(const Problem* P, Py_ssize_t t) noexcept nogil:
     return P.T1 + P.T2 - 1
 
 
-cdef inline void _load_row(const void* base, int bf16, Py_ssize_t off, Py_ssize_t n, float* dst) noexcept nogil:
-    """dst[0:n] = float32 of the row at element offset `off` (bf16: exact, bits << 16)."""
-    cdef Py_ssize_t d
-    cdef const uint16_t* b
-    cdef const float* f
-    cdef uint32_t* u = <uint32_t*>dst
-    if bf16:
-        b = <const uint16_t*>base + off
-        for d in range(n):
-            u[d] = (<uint32_t>b[d]) << 16
-    else:
-        f = <const float*>base + off
-        for d in range(n):
-            dst[d] = f[d]
-
-
 cdef inline const char* _row_ptr(const Problem* P, int value, Py_ssize_t g, Py_ssize_t j, int* bf16) noexcept nogil:
     """Address of key (value=0) or value (value=1) row j of kv head g, in whichever source holds it."""
     cdef Py_ssize_t row
@@ -129,19 +113,16 @@ cdef void _prefetch_keys(const Problem* P, Py_ssize_t g, Py_ssize_t j_begin, Py_
         dk_prefetch(_row_ptr(P, 1, g, j, &bf), nbytes)
 
 
-cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn,
-                             float* kt, float* vt, Py_ssize_t* ldv) noexcept nogil:
-    """Fill kt (D, KT) = K[j0:j0+kn, g]^T (keys >= kn zero) and return V[j0:j0+kn, g] with its row
-    stride in ldv: in place for float32 rows of one source (D a multiple of DK_CB), else upcast
-    into vt (KT, Dp), dims >= D zero (the P V kernel reads only kn rows)."""
+cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, float* kt,
+                     float* vt) noexcept nogil:
+    """Fill kt (D, KT) = K[j0:j0+kn, g]^T (keys >= kn zero) and vt (KT, Dp) = V[j0:j0+kn, g] (upcast,
+    dims >= D zero; the P V kernels read only kn rows), rounded at "medium"."""
     cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D
     cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
     cdef int bf
-    cdef const char* base
     if P.dot:  # pair words: kt (D / 2, KT), vt (KT / 2, Dp); a pair straddling the sources is joined
         _load_tile_pairs(P, g, j0, kn, n1, <uint32_t*>kt, <uint32_t*>vt)
-        ldv[0] = Dp
-        return vt
+        return
     if n1 > 0:
         dk_load_kt(<const char*>P.k1 + (j0 * P.H_kv + g) * D * (2 if P.bf1 else 4), P.bf1, stride, D, n1, kt, KT)
     if kn > n1:
@@ -161,8 +142,6 @@ cdef const float* _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_s
     if P.medium:
         dk_att_round_run(kt, D * KT)
         dk_att_round_run(vt, kn * Dp)
-    ldv[0] = Dp
-    return vt
 
 
 cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, Py_ssize_t n1,
@@ -270,8 +249,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef Py_ssize_t t0 = b * P.qb_t
     cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
     cdef Py_ssize_t R = nt * group
-    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi, ldv, g_pf, j_pf, pf_per_block
-    cdef const float* vsrc
+    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi, g_pf, j_pf, pf_per_block
     cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
@@ -320,7 +298,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
         kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
-            vsrc = _load_tile(P, g, j0, kn, kt, vt, &ldv)
+            _load_tile(P, g, j0, kn, kt, vt)
             # the next (head, tile) to load: spread its prefetch over this head's row blocks
             g_pf, j_pf = g + 1, j0
             if g + 1 == H:
@@ -356,13 +334,13 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                     elif P.medium:
                         dk_att_round_run(sc + r * KT, KT)
                 if P.amx:
-                    dk_pv_amx(<uint32_t*>sc + r0 * P.rb * KT, KT, <const uint32_t*>vsrc, ldv, ag + r0 * P.rb * Dp, Dp, Dp)
+                    dk_pv_amx(<uint32_t*>sc + r0 * P.rb * KT, KT, <const uint32_t*>vt, Dp, ag + r0 * P.rb * Dp, Dp, Dp)
                 for c0 in range(0 if P.amx else Dp // DK_CB):
                     if P.dot:
                         dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
-                                     <const uint32_t*>vsrc + c0 * DK_CB, ldv, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+                                     <const uint32_t*>vt + c0 * DK_CB, Dp, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
                     else:
-                        dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vsrc + c0 * DK_CB, ldv,
+                        dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vt + c0 * DK_CB, Dp,
                                     ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
     if P.amx:
         att_amx_end()
