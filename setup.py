@@ -17,6 +17,7 @@ Environment switches:
 
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -155,6 +156,15 @@ class OptionalBuildExt(build_ext):
             if REQUIRE_CYTHON:
                 raise
             print(f"dflash_kernels: Cython build failed ({err}); using Numba/torch backends", file=sys.stderr)
+        self._install_stubs()
+
+    def _install_stubs(self):
+        """pyx/<stem>.pyi beside every built <tier>/<stem> module (one stub per module, written once)."""
+        for ext in self.extensions:
+            stub = HERE / "pyx" / (ext.name.rsplit(".", 1)[1] + ".pyi")
+            target = Path(self.get_ext_fullpath(ext.name)).parent / stub.name
+            if stub.exists() and target.parent.is_dir():
+                shutil.copyfile(stub, target)
 
     def build_extension(self, ext):
         try:
