@@ -67,6 +67,7 @@ def run_environment(eng) -> dict:
 
     ops = eng.ops
     return {"threads": ops.kw["n_threads"], "backend": ops.kw["backend"], "precision": ops.precision,
+            "kv_dtype": getattr(eng, "kv_dtype", "float32"),
             "machine": {"cpu": _isa.cpu_model(), "isa_flags": isa_summary(), "machine_tier": _isa.machine_tier(),
                         "tier": getattr(ops._dense, "TIER", None)},
             "versions": {"dflash_kernels": dk.__version__, "numpy": np.__version__, "numba": numba.__version__,
@@ -189,12 +190,12 @@ def tuned_path() -> Path:
 def _tune_key(eng) -> str:
     """The pair, and what decides a round's cost here: the threads asked for (default threads count
     as the CPUs, whatever the contention governor runs at the moment), the ISA tier and the matmul
-    precision (a k tuned on AMX is too long for the same pair capped to AVX2)."""
+    precision and KV cache storage (a k tuned on AMX is too long for the same pair capped to AVX2)."""
     ops = eng.ops
     tier = getattr(ops._dense, "TIER", "numba") if ops._dense is not None else "torch"
     threads = ops.governor.n_max if ops.governor is not None else ops.kw["n_threads"]
     return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={threads}"
-            f"|tier={tier}|precision={ops.precision}")
+            f"|tier={tier}|precision={ops.precision}|kv={getattr(eng, 'kv_dtype', 'float32')}")
 
 
 def tuned_num_speculative_tokens(eng) -> int | None:

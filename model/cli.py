@@ -21,6 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="highest", choices=("highest", "high", "medium"),
                    help="matmul precision: exact fp32 activations, two bf16 parts, or one bf16 part as "
                         "torch/vLLM bf16 (default: highest)")
+    p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="target KV cache storage: bfloat16 halves its bytes, and at --precision medium "
+                        "attention reads it without conversion (default: float32)")
     p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),
                    help="cap the compiled kernels' ISA tier, as DFLASH_ISA (default: the CPU's best)")
 
@@ -53,7 +56,8 @@ def _load(args):
         import dflash_kernels as dk
 
         dk.set_isa(args.isa)
-    return load(target, drafter, n_threads=args.threads, backend=args.backend, precision=args.precision)
+    return load(target, drafter, n_threads=args.threads, backend=args.backend, precision=args.precision,
+                kv_dtype=args.kv_dtype)
 
 
 def cmd_generate(args) -> int:

@@ -25,6 +25,28 @@ def test_generate_streams_text(pair, capsys):
     assert captured.out.startswith("hello world") and "tok/s" in captured.err
 
 
+def test_generate_and_bench_take_a_bf16_cache(pair, tmp_path, capsys, monkeypatch):
+    """--kv-dtype reaches the engine (and bench.json); greedy DFlash stays identical to AR with it."""
+    from dflash_kernels.model import cli
+
+    target, drafter = pair
+    loaded = []
+    real_load = cli._load
+    monkeypatch.setattr(cli, "_load", lambda args: loaded.append(real_load(args)) or loaded[-1])
+    rc = main(["generate", "hello world", "--target", str(target), "--drafter", str(drafter),
+               "--max-new-tokens", "10", "--kv-dtype", "bfloat16", "--precision", "medium"])
+    assert rc == 0 and capsys.readouterr().out.startswith("hello world")
+    assert loaded[-1].kv_dtype == "bfloat16"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hello", "world of tokens"]))
+    rc = main(["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
+               "--max-new-tokens", "12", "--temperatures", "0", "--kv-dtype", "bfloat16", "--precision", "medium",
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["kv_dtype"] == "bfloat16" and report["greedy_identical"] == {"0.0": True}
+
+
 def test_generate_bad_target_is_a_clear_error(tmp_path, capsys):
     rc = main(["generate", "x", "--target", str(tmp_path / "nope")])
     assert rc == 2
