@@ -9,14 +9,14 @@ positions lo(i) .. hi(i) (see dflash_kernels/attention.py), so the mask is one i
 Work item = (block of query positions, key split). Per key tile, every kv head g in turn: the
 `group` query heads reading g are packed with the block's positions into up to QROWS rows, so a
 K/V tile is loaded (transposed, upcast) once for all of them, and S = Q K^T, the masked online
-softmax and acc += P V run on 4-row register blocks. The kv-head loop sits inside the tile loop
+softmax and acc += P V run on register blocks of 4 or 8 rows (16-row tiles on AMX at "medium"). The kv-head loop sits inside the tile loop
 because one key's rows of all heads share a page: TLB misses are paid once per key, not per head.
 The key split depends on the shape only (never on n_threads); the last split of a query block to
 finish merges the partials in split order, so results are identical for every n_threads.
 
-The SIMD micro-kernels (exp, 4-row blocks, K-tile transpose) are small C functions in
-dk_attention.h: GCC vector extensions (AVX-512, AVX2 or SSE) and AVX2 intrinsics with a scalar
-fallback. The core (attention_core.pxi) is included here and in dense.pyx, whose fused decoder
+The SIMD micro-kernels (exp, row blocks, K-tile transpose, and for "medium" the bf16 pair words
+with their vdpbf16ps and AMX kernels) are small C functions in dk_attention.h: GCC vector
+extensions (AVX-512, AVX2 or SSE) and intrinsics with a scalar fallback. The core (attention_core.pxi) is included here and in dense.pyx, whose fused decoder
 layers call it at C level.
 """
 

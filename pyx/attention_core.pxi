@@ -306,8 +306,9 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 if tile + 1 == (s + 1) * n_tiles // split:
                     j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
             pf_per_block = (KT + Rp // P.rb - 1) // (Rp // P.rb)
-            # per block of 4 query rows: S = Q K^T, masked online softmax, acc += P V (the
-            # block's scores stay in L1 between the three steps; kt and vt are streamed)
+            # per block of P.rb query rows (4, 8, or 16 on AMX): S = Q K^T, masked online softmax,
+            # acc += P V (the block's scores stay in L1 between the three steps; kt and vt are
+            # streamed); "medium" rounds P (or packs it as pair words) between softmax and P V
             for r0 in range(Rp // P.rb):
                 if j_pf <= hi_max:
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,

@@ -174,10 +174,11 @@ static void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize
 
 /* "medium" precision: both products take bf16 operands (the scaled queries, K, V and the
    probabilities P, each rounded to nearest even), with exact products summed in fp32, as torch's
-   bf16 SDPA computes. On AVX512-BF16 (DK_ATT_DOT) the operands are packed in pairs for vdpbf16ps,
-   which does two products per lane: the queries' dims (d, d+1), K^T's rows (d, d+1) for 16 keys, P's
-   keys (c, c+1) and V's rows (c, c+1) for 16 dims, each pair one 32-bit word, first element low.
-   Other tiers round the same operands in place and run the FMA kernels above. */
+   bf16 SDPA computes. Where vdpbf16ps pays (DK_ATT_DOT built, measured ahead of FMA) or AMX is
+   granted, the operands are packed in pairs: the queries' dims (d, d+1), K^T's rows (d, d+1) for 16
+   keys, P's keys (c, c+1) and V's rows (c, c+1) for 16 dims, each pair one 32-bit word, first
+   element low. vdpbf16ps does two products per lane on them, and they are AMX's tile layouts.
+   Elsewhere the same operands are rounded in place and the FMA kernels above run. */
 static inline uint32_t dk_att_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
