@@ -9,6 +9,7 @@ dflash_kernels._numba, "torch" the reference implementations (dflash_kernels.ref
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from functools import cache
@@ -35,8 +36,17 @@ def _import(name: str) -> ModuleType | Exception:
 
 
 def load_tier(family: str, tier: str) -> ModuleType | Exception:
-    """The compiled module of `family` built for `tier`, or its import error."""
+    """The compiled module of `family` built for `tier`, or its import error. Only for a tier this
+    CPU runs: importing a higher tier's module executes its instructions (SIGILL on Zen 2 for avx512)."""
     return _import(f"dflash_kernels._cython.{tier}.{family}")
+
+
+def tier_built(family: str, tier: str) -> bool:
+    """Whether `family` was compiled for `tier`: looked up on disk, never imported (see load_tier)."""
+    try:
+        return importlib.util.find_spec(f"dflash_kernels._cython.{tier}.{family}") is not None
+    except ImportError:  # the tier's package itself is missing
+        return False
 
 
 def _load(backend: str, family: str) -> ModuleType | Exception:

@@ -6,7 +6,7 @@ import platform
 import sys
 
 from . import _isa
-from ._backends import BACKENDS, backend_error, load_tier, resolve
+from ._backends import BACKENDS, backend_error, resolve, tier_built
 from ._precision import PRECISIONS, get_matmul_precision
 from ._threads import default_threads
 
@@ -20,7 +20,7 @@ def isa_summary() -> str:
 
 def tier_lines() -> list[str]:
     """The ISA tier: what the machine has, the cap, what runs, and the path each matmul takes."""
-    built = [t for t in (*_isa.TIERS, _isa.NATIVE) if not isinstance(load_tier("dense", t), Exception)]
+    built = [t for t in (*_isa.TIERS, _isa.NATIVE) if tier_built("dense", t)]
     lines = [
         f"ISA tier: machine {_isa.machine_tier() or 'below avx2'}, cap {_isa.current_cap() or 'none'} "
         f"(DFLASH_ISA / set_isa), running {_isa.active_tier() or 'none'}; compiled tiers: "

@@ -114,6 +114,9 @@ q = np.random.default_rng(2).standard_normal((4, 8, 64)).astype(np.float32)
 kv = np.random.default_rng(3).standard_normal((100, 2, 64)).astype(np.float32)
 dk.cached_attention(q, kv, kv)
 dk.denoise_block(x[:, :64], w[:, :64])
+import contextlib, io
+with contextlib.redirect_stdout(io.StringIO()):
+    dk.show_config()  # lists the compiled tiers without importing those above the cap
 maps = open("/proc/self/maps").read()
 tiers = sorted({l.split("/_cython/")[1].split("/")[0] for l in maps.splitlines() if "/_cython/" in l})
 print(dk.active_tier(), dk.kernel_module("dense").last_path(), ",".join(tiers), numba.config.CPU_NAME)
@@ -122,7 +125,8 @@ print(dk.active_tier(), dk.kernel_module("dense").last_path(), ",".join(tiers), 
 
 def test_env_cap_runs_only_that_tier():
     """DFLASH_ISA=avx2: the tier reported is avx2, the avx2 modules are the only ones mapped into the
-    process after linear, attention and denoise ran, and Numba compiles for haswell."""
+    process after linear, attention, denoise and show_config ran, and Numba compiles for haswell.
+    (A higher tier's module executes its instructions at import: SIGILL on an AVX2-only CPU.)"""
     env = dict(os.environ, DFLASH_ISA="avx2")
     env.pop("NUMBA_CPU_NAME", None)
     out = subprocess.run([sys.executable, "-c", CAPPED_RUN], env=env, capture_output=True, text=True, check=True)
