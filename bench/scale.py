@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -449,8 +450,15 @@ def main(argv=None) -> int:
             t_dir, d_dir = Path(args.target), Path(args.drafter)
         elif (root / "target" / "config.json").exists() and (root / "drafter" / "config.json").exists():
             t_dir, d_dir = root / "target", root / "drafter"
-        else:
-            t_dir, d_dir = write_pair(root, s, draft_layers=DRAFT_LAYERS.get(s.name, 5), layers=args.layers)
+        else:  # written aside, then moved in: an interrupted write leaves no half pair for --keep to reuse
+            stage = root / ".writing"
+            shutil.rmtree(stage, ignore_errors=True)
+            write_pair(stage, s, draft_layers=DRAFT_LAYERS.get(s.name, 5), layers=args.layers)
+            t_dir, d_dir = root / "target", root / "drafter"
+            for final in (t_dir, d_dir):
+                shutil.rmtree(final, ignore_errors=True)
+                (stage / final.name).rename(final)
+            stage.rmdir()
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
             written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,

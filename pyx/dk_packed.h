@@ -50,6 +50,22 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #define DK_PK_MR 4
 #define DK_PK_NV 1
 #endif
+/* avx2, fp32 tiles of up to 6 rows (12 accumulators, 2 weight vectors and the broadcast: 15 ymm).
+   The 4 x 16 bf16 tile is bound by FMA latency, not rate: Zen 2 needs 10 FMAs in flight (2 pipes x
+   5 cycles) and 8 accumulators give 8, so it ran at 76% of the FMA peak on L1-resident data, where
+   a 6 x 16 fp32 tile ran at 100% (a one-off C harness, not kept). So with bf16 weights each K chunk
+   of the panel is upcast once (exactly) into an L1 buffer that every row tile then reads, whenever
+   the rows split into tiles of at least 5 (dk_pk_upcast_tiles): 16 rows as 6 + 5 + 5. 8 rows stay
+   on the bf16 tile (4 + 4: the upcast cost more than it saved). The sums run in the same order
+   either way, so the results are bit-identical. Measured in docs/benchmarks.md, session 11. */
+#if DK_VW == 8
+#define DK_PK_MR32 6
+#define DK_PK_UPCAST 1
+#else
+#define DK_PK_MR32 DK_PK_MR
+#define DK_PK_UPCAST 0
+#endif
+#define DK_PK_MRMAX (DK_PK_MR32 > DK_PK_MR ? DK_PK_MR32 : DK_PK_MR)
 #ifndef DK_PK_KC
 #define DK_PK_KC 256                   /* k per chunk: NV panels' chunk stays in L1 for every row tile */
 #endif
@@ -68,11 +84,13 @@ static inline long dk_pk_panel_elems(long K, int bf16) {
 
 /* One tile: rows [0, mr) of x (row stride ldx) times panels [0, nv) of P from k0 for kc k (k0, kc
    even, except a last odd kc), into out (row stride ldo; the first ncols <= nv * 16 columns). first:
-   the chunk's sums are stored, else added to out; bias (last chunk only) is added after. */
+   the chunk's sums are stored, else added to out; bias (last chunk only) is added after. pf, pfnext:
+   prefetches along the panels (see dk_pk_next_chunk); pfup (fp32 tiles over an upcast chunk): bf16
+   bytes to ask into L2, 32 per k. */
 DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long kc, const float *x,
                       long ldx, const void *P, long pstride, int first, const float *bias, float *out,
-                      long ldo, long ncols, int pf, long pfnext) {
-    dk_vf acc[DK_PK_MR][DK_PK_NV * DK_PK_VPP];
+                      long ldo, long ncols, int pf, long pfnext, const char *pfup) {
+    dk_vf acc[DK_PK_MRMAX][DK_PK_NV * DK_PK_VPP];
     const int nvec = nv * DK_PK_VPP;
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
@@ -123,6 +141,7 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             if (pfnext)
                 for (int v = 0; v < nvec; v += DK_PK_VPP)
                     __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + k * DK_PK_COLS + pfnext, 0, 2);
+            if (pfup) __builtin_prefetch(pfup + k * 2 * DK_PK_COLS, 0, 2);
             for (int i = 0; i < mr; i++) {
                 dk_vf xb = (dk_vf){0} + x[i * ldx + k0 + k];
                 for (int v = 0; v < nvec; v++) acc[i][v] += xb * w[v];
@@ -168,10 +187,12 @@ static inline long dk_pk_next_chunk(long M, long i, int last, int nv, long pstri
 /* mr and nv as compile-time constants (accumulators in registers) */
 static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const float *x, long ldx,
                            const void *P, long pstride, int first, const float *bias, float *out,
-                           long ldo, long ncols, int pf, long pfnext) {
+                           long ldo, long ncols, int pf, long pfnext, const char *pfup) {
 #define DK_PK_T(MR_, NV_) \
-    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext); \
-    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext);
+    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup); \
+    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup);
+#define DK_PK_T32(MR_) \
+    dk_pk_tile(MR_, 1, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup);
 #if DK_PK_NV == 3
 #define DK_PK_NVS(MR_) \
     if (nv == 3) { DK_PK_T(MR_, 3) } else if (nv == 2) { DK_PK_T(MR_, 2) } else { DK_PK_T(MR_, 1) }
@@ -188,18 +209,58 @@ static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const flo
     case 6: DK_PK_NVS(6) break;
     case 7: DK_PK_NVS(7) break;
     case 8: DK_PK_NVS(8) break;
+#elif DK_PK_MR32 > 4
+    case 5: DK_PK_T32(5) break;  /* fp32 tiles only: a bf16 tile of these heights would spill */
+    case 6: DK_PK_T32(6) break;
 #endif
     }
 #undef DK_PK_NVS
 #undef DK_PK_T
+#undef DK_PK_T32
+}
+
+#if DK_PK_UPCAST
+/* buf[k * 16 + j] = the fp32 weight of column j at k, k < kc, from a chunk's pair rows at p (one panel) */
+static void dk_pk_upcast(const uint16_t *p, long kc, float *buf) {
+    long pairs = kc / 2;
+    for (long q = 0; q < pairs; q++)
+        for (int v = 0; v < DK_PK_VPP; v++) {
+            dk_vu u;
+            memcpy(&u, p + q * 32 + v * 2 * DK_VW, sizeof u);
+            dk_store(buf + 2 * q * DK_PK_COLS + v * DK_VW, (dk_vf)(u << 16));
+            dk_store(buf + (2 * q + 1) * DK_PK_COLS + v * DK_VW, (dk_vf)(u & 0xFFFF0000u));
+        }
+    if (kc % 2)  /* odd K: the last pair holds one weight */
+        for (int v = 0; v < DK_PK_VPP; v++) {
+            dk_vu u;
+            memcpy(&u, p + pairs * 32 + v * 2 * DK_VW, sizeof u);
+            dk_store(buf + 2 * pairs * DK_PK_COLS + v * DK_VW, (dk_vf)(u << 16));
+        }
+}
+#endif
+
+/* Row tiles when bf16 chunks are upcast (see DK_PK_MR32): nt balanced tiles of at most DK_PK_MR32
+   rows if each gets at least 5, else 0 (the bf16 tile, DK_PK_MR rows at a time) */
+static inline long dk_pk_upcast_tiles(long M) {
+#if DK_PK_UPCAST
+    long nt = (M + DK_PK_MR32 - 1) / DK_PK_MR32;
+    return M / nt >= 5 ? nt : 0;
+#else
+    (void)M;
+    return 0;
+#endif
 }
 
 /* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
    [plo, phi) of P, DK_PK_NV at a time: for each K chunk, the group's chunk of panels stays in L1
-   while every DK_PK_MR-row tile of x passes it. */
+   while every DK_PK_MR-row tile of x passes it (or, upcast, the chunk's fp32 copy does). */
 static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
                       const void *P, const float *bias, float *out) {
     const long pstride = dk_pk_panel_elems(K, bf16), esz = bf16 ? 2 : 4;
+#if DK_PK_UPCAST
+    const long nt = bf16 ? dk_pk_upcast_tiles(M) : 0;
+    float up[DK_PK_KC * DK_PK_COLS] __attribute__((aligned(64)));  /* 16 KiB */
+#endif
     for (long p0 = plo; p0 < phi; p0 += DK_PK_NV) {
         int nv = phi - p0 < DK_PK_NV ? (int)(phi - p0) : DK_PK_NV;
         long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
@@ -207,11 +268,26 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
         for (long k0 = 0; k0 < K; k0 += DK_PK_KC) {
             long kc = K - k0 < DK_PK_KC ? K - k0 : DK_PK_KC;
             int first = k0 == 0, last = k0 + kc == K;
+#if DK_PK_UPCAST
+            if (nt) {  /* one panel (nv = 1): its chunk upcast, then nt fp32 tiles; the first asks
+                          the next chunk (or the next panel's first; panels are contiguous) into L2 */
+                const char *next = last ? pg + pstride * esz : pg + (k0 + DK_PK_KC) * DK_PK_COLS * esz;
+                dk_pk_upcast((const uint16_t *)pg + k0 * DK_PK_COLS, kc, up);
+                for (long t = 0, i = 0, mr; i < M; i += mr, t++) {
+                    mr = M / nt + (t < M % nt);
+                    dk_pk_tile_any((int)mr, 1, 0, 0, kc, x + i * ldx + k0, ldx, up, 0, first,
+                                   last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, 0, 0,
+                                   t == 0 ? next : NULL);
+                }
+                continue;
+            }
+#endif
             for (long i = 0; i < M; i += DK_PK_MR) {
                 int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
                 dk_pk_tile_any(mr, nv, bf16, k0, kc, x + i * ldx, ldx, pg, pstride, first,
                                last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, i == 0,
-                               dk_pk_next_chunk(M, i, last, nv, pstride, k0 * DK_PK_COLS, DK_PK_KC * DK_PK_COLS));
+                               dk_pk_next_chunk(M, i, last, nv, pstride, k0 * DK_PK_COLS, DK_PK_KC * DK_PK_COLS),
+                               NULL);
             }
         }
     }
