@@ -2,7 +2,8 @@
 
 Every op accepts torch CPU tensors (returns torch) or numpy arrays (returns numpy), float32 or
 bfloat16 storage (torch.bfloat16 or numpy uint16 bit patterns), computes in float32, and takes
-``n_threads=None`` and ``backend="auto"`` (one of ``available_backends()``).
+``n_threads=None`` and ``backend="auto"`` (one of ``available_backends()``). The Examples in the ops'
+docstrings assume ``import numpy as np`` and ``import dflash_kernels as dk`` (tests/test_docstrings.py runs them).
 """
 
 __version__ = "0.1.0"

@@ -137,16 +137,58 @@ def cap_tier(cap: str | None, machine: str | None) -> str | None:
 
 
 def active_tier() -> str | None:
-    """The tier the compiled kernels run at now (before falling back to a tier that was built)."""
+    """The tier the compiled kernels run at now (before falling back to a tier that was built).
+
+    The machine's highest tier, lowered by the cap in force (``set_isa``, else DFLASH_ISA).
+
+    Returns
+    -------
+    str or None
+        "avx2", "avx512", "avx512_bf16" or "amx"; None on a CPU below AVX2 (no compiled kernels then).
+
+    Examples
+    --------
+    >>> dk.active_tier() in ("avx2", "avx512", "avx512_bf16", "amx", None)
+    True
+    """
     return cap_tier(current_cap(), machine_tier())
 
 
 def set_isa(cap: str | None) -> str | None:
     """Cap the compiled kernels' ISA tier for this process; None restores DFLASH_ISA's cap.
 
-    Returns the tier in force after the call. Like ``ONEDNN_MAX_CPU_ISA`` for torch, this lowers the
-    tier, never raises it past the machine's: a cap above it falls back with a warning. Objects
-    that resolved their kernels earlier (``dflash_kernels.model`` engines) keep their tier.
+    Like ``ONEDNN_MAX_CPU_ISA`` for torch, this lowers the tier, never raises it past the machine's: a
+    cap above it falls back with a warning. Objects that resolved their kernels earlier
+    (``dflash_kernels.model`` engines) keep their tier.
+
+    Parameters
+    ----------
+    cap : {"avx2", "avx512", "avx512_bf16", "amx"} or None
+        The highest tier to run (case-insensitive; "" = no cap); None restores DFLASH_ISA's cap.
+
+    Returns
+    -------
+    str or None
+        The tier in force after the call (``active_tier()``); None on a CPU below AVX2.
+
+    Raises
+    ------
+    ValueError
+        If cap is not one of the tier names.
+    TypeError
+        If cap is neither a str nor None.
+
+    Warns
+    -----
+    RuntimeWarning
+        If the cap is above what this CPU and OS support (once per cap and machine tier).
+
+    Examples
+    --------
+    >>> dk.set_isa("avx2") in ("avx2", None)  # None: no compiled kernels on this CPU
+    True
+    >>> dk.set_isa(None) == dk.active_tier()
+    True
     """
     global _runtime_cap
     _runtime_cap = _UNSET if cap is None else parse_cap(cap, "set_isa(cap)")

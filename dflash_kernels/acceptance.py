@@ -109,11 +109,53 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
                   backend: str = "auto") -> tuple[Array, Array]:
     """Greedy verification: the longest prefix of drafts equal to the target's argmax choices.
 
-    draft_tokens (B, K) int, target_tokens (B, K+1) int (the target's choice at each verify row),
-    num_draft (B,) or scalar drafts per sequence (<= K, default K; drafts beyond it are ignored and
-    may be padding). vocab_size: optional upper bound for the ids. Returns (num_accepted (B,) int64,
-    out_tokens (B, K+1) int64): accepted drafts, then target_tokens[b, a] (correction or bonus),
-    then -1.
+    Parameters
+    ----------
+    draft_tokens : ndarray, torch.Tensor or sequence of int, shape (B, K) or (K,)
+        Integer draft ids.
+    target_tokens : ndarray, torch.Tensor or sequence of int, shape (B, K+1) or (K+1,)
+        Integer ids: the target's choice at each verify row.
+    num_draft : ndarray, torch.Tensor, int or sequence of int, shape (B,) or (), optional
+        Drafts per sequence, in [0, K]; None (default) = K. Drafts beyond it are ignored and may be
+        padding.
+    vocab_size : int, optional
+        Upper bound for the ids. Only the used ids are checked: drafts at positions < num_draft[b],
+        targets at positions <= num_draft[b].
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    num_accepted : ndarray or torch.Tensor, shape (B,)
+        int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.
+    out_tokens : ndarray or torch.Tensor, shape (B, K+1)
+        int64: the accepted drafts, then target_tokens[b, a] (correction or bonus), then -1 padding;
+        (K+1,) for unbatched inputs. num_accepted + 1 tokens are emitted. Torch tensors if
+        draft_tokens or target_tokens is one.
+
+    Raises
+    ------
+    ValueError
+        If draft_tokens is not (B, K) or (K,), target_tokens not (B, K+1), num_draft not (B,) or
+        a scalar or outside [0, K], a used id is negative or >= vocab_size, or n_threads / backend is
+        invalid.
+    TypeError
+        If an id array does not hold integers.
+
+    Examples
+    --------
+    >>> drafts = np.array([[3, 4, 5], [3, 4, 5]])
+    >>> targets = np.array([[3, 4, 9, 1], [3, 4, 5, 6]])
+    >>> num_accepted, out = dk.accept_greedy(drafts, targets)
+    >>> num_accepted
+    array([2, 3])
+    >>> out
+    array([[ 3,  4,  9, -1],
+           [ 3,  4,  5,  6]])
+    >>> dk.accept_greedy([3, 4, 5], [3, 4, 5, 6], num_draft=1)  # unbatched, one draft used
+    (array(1), array([ 3,  4, -1, -1]))
     """
     d = _ids(draft_tokens, "draft_tokens")
     tg = _ids(target_tokens, "target_tokens")
@@ -135,11 +177,44 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
 
 
 def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
-    """The sampling distribution of each row of ``logits`` (T, V): softmax(logits / temperature)
-    restricted by top_k and top_p, renormalised, by exactly the rule ``rejection_sample`` applies to
-    target rows (ties at either threshold kept; temperature 0 = one-hot argmax, first index). What a
-    drafter that samples its drafts passes as ``draft_probs``. Returns (T, V) float32 in the caller's
-    framework; a row with NaN / +inf, or no finite entry, raises ValueError."""
+    """The sampling distribution of each row of ``logits``: softmax(logits / temperature) after top_k / top_p.
+
+    The distribution is restricted by top_k and top_p and renormalised, by exactly the rule
+    ``rejection_sample`` applies to target rows (ties at either threshold kept; temperature 0 =
+    one-hot argmax, first index). What a drafter that samples its drafts passes as ``draft_probs``.
+
+    Parameters
+    ----------
+    logits : ndarray or torch.Tensor, shape (T, V)
+        float32 or bf16, V >= 1.
+    temperature : float, default 1.0
+        Finite, >= 0; 0 (or below 1e-6) = one-hot argmax.
+    top_k : int, default 0
+        Keep the logits >= the top_k-th largest; 0 = off.
+    top_p : float, default 1.0
+        Nucleus mass in (0, 1]; 1.0 = off.
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T, V)
+        float32 probabilities, in the caller's framework.
+
+    Raises
+    ------
+    ValueError
+        If temperature, top_k or top_p is out of range, logits is not 2-D or has an empty vocabulary
+        axis, a row has NaN (or +inf when temperature > 0), or a row has no finite entry.
+    TypeError
+        If logits is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> logits = np.array([[1.0, 1.0, 0.0]], np.float32)
+    >>> dk.filtered_probs(logits, top_k=2)
+    array([[0.5, 0.5, 0. ]], dtype=float32)
+    >>> dk.filtered_probs(logits, temperature=0.0)  # first index on ties
+    array([[1., 0., 0.]], dtype=float32)
+    """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     x = float_array(logits, "logits", ndim=2)
     t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).double()
@@ -173,29 +248,80 @@ def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: 
                      backend: str = "auto") -> tuple[Array, Array]:
     """Lossless speculative sampling of one verify round; the emitted tokens follow the target exactly.
 
-    draft_tokens (B, K) int; target_logits (B, K+1, V) float32 or bf16 (row i scores position i);
-    draft_probs None (one-hot drafts, e.g. argmax drafters) or (B, K, V) float32/bf16 draft
-    distributions q. Row i of sequence b (i < num_draft[b]) accepts draft x with probability
-    p_i(x) (one-hot q) or min(1, p_i(x) / q_i(x)) (test ``u * q(x) < p(x)``; q(x) = 0 accepts iff
-    p(x) > 0). At the first rejection the replacement is drawn from normalize(max(0, p_i - q_i))
-    (p_i with x removed for one-hot q; p_i itself if that residual is all zero); if all drafts pass,
-    the bonus token is drawn from row num_draft[b]. Rows after the first rejection are never read.
+    Row i of sequence b (i < num_draft[b]) accepts draft x with probability p_i(x) (one-hot q) or
+    min(1, p_i(x) / q_i(x)) (test ``u * q(x) < p(x)``; q(x) = 0 accepts iff p(x) > 0). At the first
+    rejection the replacement is drawn from normalize(max(0, p_i - q_i)) (p_i with x removed for
+    one-hot q; p_i itself if that residual is all zero); if all drafts pass, the bonus token is drawn
+    from row num_draft[b]. Rows after the first rejection are never read.
 
     p = softmax(logits / temperature) restricted by top_k (keep logits >= the k-th largest: ties at
     the threshold are all kept; 0 = off) and then top_p (keep probabilities >= p*, p* the smallest
     probability in the shortest descending prefix whose mass reaches top_p; ties at p* kept).
     temperature == 0 is greedy: p = one-hot(argmax, first index), i.e. accept_greedy on the argmaxes.
+    -inf logits are tokens of probability 0; the kernels treat probabilities below e^-87 of the row
+    maximum as 0.
 
-    Randomness: uniforms (B, K+1, 2) float in [0, 1): [b, i, 0] decides acceptance at row i,
-    [b, i, 1] draws the replacement / bonus at row i by inverse CDF (first index, in index order,
-    whose running sum exceeds u * total). Without uniforms they are drawn from `generator` (int
-    seed, numpy Generator, torch.Generator; None = fresh entropy) as a float64 (B, K+1, 2) array.
+    Parameters
+    ----------
+    draft_tokens : ndarray, torch.Tensor or sequence of int, shape (B, K) or (K,)
+        Integer draft ids.
+    target_logits : ndarray or torch.Tensor, shape (B, K+1, V) or (K+1, V)
+        float32 or bf16; row i scores position i.
+    draft_probs : ndarray or torch.Tensor, shape (B, K, V) or (K, V), optional
+        float32 / bf16 draft distributions q (``filtered_probs``); None (default) = one-hot drafts,
+        e.g. argmax drafters.
+    temperature : float, default 1.0
+        Finite, >= 0; 0 (or below 1e-6) = greedy.
+    top_k : int, default 0
+        See above; 0 = off.
+    top_p : float, default 1.0
+        In (0, 1], see above; 1.0 = off.
+    num_draft : ndarray, torch.Tensor, int or sequence of int, shape (B,) or (), optional
+        Drafts per sequence, in [0, K]; None (default) = K.
+    uniforms : ndarray or torch.Tensor, shape (B, K+1, 2) (or (K+1, 2) unbatched), optional
+        Floats in [0, 1): [b, i, 0] decides acceptance at row i, [b, i, 1] draws the replacement /
+        bonus at row i by inverse CDF (first index, in index order, whose running sum exceeds
+        u * total).
+    generator : int, numpy.random.Generator or torch.Generator, optional
+        Without uniforms, they are drawn from it (int seed, numpy Generator, torch.Generator; None
+        (default) = fresh entropy) as a float64 (B, K+1, 2) array.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
 
-    Logits: a processed row with NaN (or +inf when temperature > 0), or with no finite entry, raises
-    ValueError naming target_logits; -inf entries are tokens of probability 0. The kernels treat
-    probabilities below e^-87 of the row maximum as 0.
+    Returns
+    -------
+    num_accepted : ndarray or torch.Tensor, shape (B,)
+        int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.
+    out_tokens : ndarray or torch.Tensor, shape (B, K+1)
+        int64: the accepted drafts, then the replacement or bonus token, then -1 padding; (K+1,) for
+        unbatched inputs. Torch tensors if draft_tokens or target_logits is one.
 
-    Returns (num_accepted (B,) int64, out_tokens (B, K+1) int64 with -1 padding).
+    Raises
+    ------
+    ValueError
+        If temperature, top_k or top_p is out of range; a shape disagrees (draft_tokens, target_logits,
+        draft_probs, num_draft, uniforms) or V == 0; num_draft is outside [0, K]; a used draft id is
+        outside [0, V); uniforms lie outside [0, 1); a processed row of target_logits has NaN (or +inf
+        when temperature > 0) or no finite entry (the message names target_logits); draft_probs has a
+        NaN or negative entry; or n_threads / backend is invalid.
+    TypeError
+        If draft_tokens or num_draft does not hold integers, target_logits or draft_probs is not a
+        float32 / bf16 array or tensor, uniforms is not a float array, or generator is not one of the
+        accepted kinds.
+
+    Examples
+    --------
+    One token of probability 1 per row (the other logits are -inf): the target picks 1, 2, 3.
+
+    >>> logits = np.full((1, 3, 4), -np.inf, np.float32)
+    >>> logits[0, [0, 1, 2], [1, 2, 3]] = 0.0
+    >>> num_accepted, out = dk.rejection_sample(np.array([[1, 0]]), logits, generator=0)
+    >>> num_accepted, out  # draft 1 accepted, draft 0 rejected and replaced by 2
+    (array([1]), array([[ 1,  2, -1]]))
+    >>> dk.rejection_sample(np.array([[1, 2]]), logits, temperature=0.0)  # all pass: bonus token 3
+    (array([2]), array([[1, 2, 3]]))
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     d = _ids(draft_tokens, "draft_tokens")

@@ -80,17 +80,70 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
                           precision: str | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
     """Drafter attention: block queries over [injected context | block] keys/values, without a copy.
 
-    q: (T_q, H_q, D) block queries. k_ctx, v_ctx: (T_ctx, H_kv, D) context keys/values (T_ctx may
-    be 0). k_blk, v_blk: (T_q, H_kv, D) the block's own keys/values. H_q % H_kv == 0.
-    Returns (T_q, H_q, D) float32.
-
     Positions: context row j sits at position j, block row i at T_ctx + i (query i too). Default
     (``full_attention`` drafter layers): every query sees every context and block key, no mask.
-    ``causal_block=True``: query i sees block keys 0..i only (and all context).
-    ``window=w`` (``sliding_attention`` layers): query i (position p = T_ctx + i) sees only keys at
-    positions j > p - w, i.e. the last w positions up to itself; without causal_block it also sees
-    the block keys after it. scale defaults to D**-0.5. Both sources may have different dtypes.
-    precision: see the module docstring; None = the process default.
+    ``causal_block=True``: query i sees block keys 0..i only (and all context). ``window=w``
+    (``sliding_attention`` layers): query i (position p = T_ctx + i) sees only keys at positions
+    j > p - w, i.e. the last w positions up to itself; without causal_block it also sees the block
+    keys after it. Query head h reads kv head ``h // (H_q // H_kv)`` (GQA).
+
+    Parameters
+    ----------
+    q : ndarray or torch.Tensor, shape (T_q, H_q, D)
+        Block queries, float32 or bf16 (upcast once: it is small). D >= 1, H_q % H_kv == 0.
+    k_ctx, v_ctx : ndarray or torch.Tensor, shape (T_ctx, H_kv, D)
+        Context keys/values, float32 or bf16 (torch.bfloat16 or numpy uint16), read in place by the
+        kernels; one shape and one dtype. T_ctx may be 0.
+    k_blk, v_blk : ndarray or torch.Tensor, shape (T_q, H_kv, D)
+        The block's own keys/values, float32 or bf16, one shape and one dtype. The two sources
+        (context and block) may have different dtypes.
+    scale : float, optional
+        Scale of the scores ``q K^T``; None (default) = D**-0.5.
+    causal_block : bool, default False
+        Query i sees block keys 0..i only (and all context).
+    window : int, optional
+        Sliding window w >= 1 (see above); None (default) = no window.
+    precision : {"highest", "high", "medium"}, optional
+        Of both products, see the module docstring; None = the process default
+        (``set_matmul_precision``).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T_q, H_q, D)
+        float32; a torch tensor if any input is one. Inputs must be finite: NaN/inf in q, K or V give
+        unspecified (typically NaN) outputs for the rows that see them.
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree (q, the keys and values not 3-D, D < 1, a key/value pair of two shapes,
+        other kv heads or head dim, H_q not a multiple of H_kv, k_blk without T_q rows), window is not
+        None or an int >= 1, scale is not finite, or precision, n_threads or backend is invalid.
+    TypeError
+        If an operand is not a float32 / bf16 array or tensor, a key/value pair has two dtypes, or
+        scale is not a number.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8), dtype=np.float32)
+    >>> k_ctx, v_ctx = rng.standard_normal((2, 3, 2, 8), dtype=np.float32)
+    >>> k_blk, v_blk = rng.standard_normal((2, 2, 2, 8), dtype=np.float32)
+    >>> out = dk.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk)
+    >>> out.shape, out.dtype
+    ((2, 4, 8), dtype('float32'))
+
+    Without context and with a causal block, query 0 sees only block key 0 (heads 0-1 read kv head
+    0, heads 2-3 kv head 1):
+
+    >>> empty = np.zeros((0, 2, 8), np.float32)
+    >>> out = dk.injected_kv_attention(q, empty, empty, k_blk, v_blk, causal_block=True)
+    >>> np.allclose(out[0], v_blk[0].repeat(2, axis=0))
+    True
     """
     qa = f32_array(q, "q", ndim=3)
     _check_q(qa)
@@ -113,11 +166,64 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
                      backend: str = "auto") -> Array:
     """Attention of the last T_q positions of a KV cache (decode T_q = 1, verification T_q = k+1, prefill).
 
-    q: (T_q, H_q, D); k_cache, v_cache: (T_kv, H_kv, D) with T_q <= T_kv, H_q % H_kv == 0; the cache
-    already holds the queries' own keys. Query i sits at position p = T_kv - T_q + i.
+    The cache already holds the queries' own keys: query i sits at position p = T_kv - T_q + i.
     ``causal=True`` (bottom-right aligned): it sees keys 0..p; ``causal=False``: all keys.
-    ``window=w``: additionally only keys at positions j > p - w. scale defaults to D**-0.5.
-    precision: see the module docstring; None = the process default. Returns (T_q, H_q, D) float32.
+    ``window=w``: additionally only keys at positions j > p - w. Query head h reads kv head
+    ``h // (H_q // H_kv)`` (GQA).
+
+    Parameters
+    ----------
+    q : ndarray or torch.Tensor, shape (T_q, H_q, D)
+        Queries, float32 or bf16 (upcast once: it is small). T_q <= T_kv, D >= 1, H_q % H_kv == 0.
+    k_cache, v_cache : ndarray or torch.Tensor, shape (T_kv, H_kv, D)
+        Keys/values of positions 0..T_kv-1, float32 or bf16 (torch.bfloat16 or numpy uint16), read in
+        place by the kernels; one shape and one dtype.
+    causal : bool, default True
+        Query i sees keys 0..p only (bottom-right aligned); False: all keys.
+    scale : float, optional
+        Scale of the scores ``q K^T``; None (default) = D**-0.5.
+    window : int, optional
+        Sliding window w >= 1: only keys at positions j > p - w; None (default) = no window.
+    precision : {"highest", "high", "medium"}, optional
+        Of both products, see the module docstring; None = the process default
+        (``set_matmul_precision``).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T_q, H_q, D)
+        float32; a torch tensor if any input is one. Inputs must be finite: NaN/inf in q, K or V give
+        unspecified (typically NaN) outputs for the rows that see them.
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree (q, k_cache or v_cache not 3-D, D < 1, k_cache and v_cache of two
+        shapes, another head dim, H_q not a multiple of H_kv, T_q > T_kv), window is not None or an
+        int >= 1, scale is not finite, or precision, n_threads or backend is invalid.
+    TypeError
+        If an operand is not a float32 / bf16 array or tensor, k_cache and v_cache have two dtypes, or
+        scale is not a number.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((3, 4, 8), dtype=np.float32)
+    >>> k, v = rng.standard_normal((2, 3, 2, 8), dtype=np.float32)
+    >>> out = dk.cached_attention(q, k, v)  # prefill: T_q = T_kv = 3
+    >>> out.shape, out.dtype
+    ((3, 4, 8), dtype('float32'))
+
+    Query 0 sits at position 0 and sees key 0 only; with ``window=1`` every query sees only its own
+    key (heads 0-1 read kv head 0, heads 2-3 kv head 1):
+
+    >>> np.allclose(out[0], v[0].repeat(2, axis=0))
+    True
+    >>> np.allclose(dk.cached_attention(q, k, v, window=1), v.repeat(2, axis=1))
+    True
     """
     qa = f32_array(q, "q", ndim=3)
     _check_q(qa)

@@ -21,21 +21,61 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
                   n_threads: int | None = None, backend: str = "auto") -> Array:
     """One token per row of ``hidden @ lm_head^T``, without materialising the logits when greedy.
 
-    hidden (T, H) float32 (bf16 is upcast): the drafter block's final-normed rows (or the target's
-    verify rows). lm_head (V, H) float32 or bf16, read in place (memory-mapped weights are fine).
-    Returns (T,) int64.
-
     temperature == 0: argmax per row, first index on ties; one streaming pass over lm_head.
     temperature > 0: a draw from softmax(logits / temperature) after top_k / top_p filtering (same
-    rules as ``rejection_sample``), by inverse CDF at uniforms (T,) in [0, 1), drawn from
-    `generator` (int seed, numpy Generator, torch.Generator; None = fresh) when not given.
-    Logits are materialised (T, V) float32 on this path.
+    rules as ``rejection_sample``), by inverse CDF at one uniform per row; the logits are materialised
+    (T, V) float32 on this path. Temperatures below 1e-6 are greedy.
 
-    precision: of the logits' products, as in ``linear`` (hidden rounded to bf16 parts); None = the
-    process default (``set_matmul_precision``).
+    Parameters
+    ----------
+    hidden : ndarray or torch.Tensor, shape (T, H)
+        float32 (bf16 is upcast): the drafter block's final-normed rows (or the target's verify rows).
+        Must be finite.
+    lm_head : ndarray or torch.Tensor, shape (V, H)
+        float32 or bf16, read in place (memory-mapped weights are fine). V >= 1.
+    temperature : float, default 0.0
+        Finite, >= 0; 0 = greedy.
+    top_k : int, default 0
+        Keep the top_k largest logits (ties at the threshold kept), as ``rejection_sample``; 0 = off.
+    top_p : float, default 1.0
+        Nucleus mass in (0, 1], as ``rejection_sample``; 1.0 = off.
+    generator : int, numpy.random.Generator or torch.Generator, optional
+        Source of the uniforms when temperature > 0 and uniforms is not given: an int seed, a numpy
+        Generator or a torch.Generator; None (default) = fresh entropy.
+    uniforms : ndarray or torch.Tensor, shape (T,), optional
+        Floats in [0, 1), one per row, used instead of drawing from generator (temperature > 0 only).
+    precision : {"highest", "high", "medium"}, optional
+        Of the logits' products, as in ``linear`` (hidden rounded to bf16 parts); None = the process
+        default (``set_matmul_precision``).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
 
-    A NaN logit (NaN / inf in hidden or lm_head) raises ValueError; hidden is checked up front,
-    lm_head only through the logits it produces.
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T,)
+        int64 token ids; a torch tensor if hidden or lm_head is one.
+
+    Raises
+    ------
+    ValueError
+        If temperature, top_k or top_p is out of range, hidden is not 2-D or contains NaN or inf, lm_head
+        is not of shape (V, H) with V >= 1, uniforms has another shape or values outside [0, 1),
+        precision, n_threads or backend is invalid, or a logit is NaN (NaN / inf in lm_head: it is
+        checked only through the logits it produces).
+    TypeError
+        If hidden or lm_head is not a float32 / bf16 array or tensor, uniforms is not a float array, or
+        generator is not one of the accepted kinds.
+
+    Examples
+    --------
+    >>> hidden = np.array([[0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], np.float32)
+    >>> lm_head = np.eye(5, 4, dtype=np.float32)  # V = 5; token 4 scores 0
+    >>> dk.denoise_block(hidden, lm_head)
+    array([2, 0])
+    >>> dk.denoise_block(hidden, lm_head, temperature=1.0, top_k=1, generator=0)  # top_k=1: the argmax
+    array([2, 0])
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     parts = precision_parts(precision)
@@ -68,10 +108,44 @@ def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, 
                      n_threads: int | None = None, backend: str = "auto") -> Array:
     """The block a drafter denoises: [anchor, MASK x (block_size - 1)] per sequence.
 
-    anchor_ids (B,) or a scalar (last committed token per sequence) -> (B, block_size) int64, or
-    (block_size,) for a scalar anchor. mask_token_id: the drafter config's mask token; vocab_size:
-    when given, every id must lie below it. A plain fill: n_threads and backend are validated for API
-    uniformity only.
+    A plain fill: n_threads and backend are validated for API uniformity only.
+
+    Parameters
+    ----------
+    anchor_ids : ndarray, torch.Tensor, int or sequence of int, shape (B,) or ()
+        The last committed token per sequence, or a scalar for one sequence.
+    mask_token_id : int
+        The drafter config's mask token, >= 0.
+    block_size : int
+        Tokens per block, in [1, 65536] (drafters use 8-32).
+    vocab_size : int, optional
+        When given, every id (anchors and mask_token_id) must lie below it.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (B, block_size), or (block_size,) for a scalar anchor
+        int64; a torch tensor if anchor_ids is one.
+
+    Raises
+    ------
+    ValueError
+        If block_size is not an int in [1, 65536], mask_token_id is not an int >= 0 (or not below
+        vocab_size), anchor_ids has more than one dimension or holds an id < 0 or >= vocab_size, or
+        n_threads / backend is invalid.
+    TypeError
+        If anchor_ids does not hold integers.
+
+    Examples
+    --------
+    >>> dk.make_draft_block(np.array([5, 7]), 99, 4)
+    array([[ 5, 99, 99, 99],
+           [ 7, 99, 99, 99]])
+    >>> dk.make_draft_block(5, 99, 3)
+    array([ 5, 99, 99])
     """
     resolve_threads(n_threads)
     resolve(backend, "denoise")

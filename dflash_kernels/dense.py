@@ -18,7 +18,35 @@ from ._threads import resolve_threads
 def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """SwiGLU activation: ``silu(gate) * up`` where ``gate_up = [gate | up]`` along the last axis.
 
-    gate_up: (M, 2*I) float32 or bf16. Returns (M, I) float32.
+    Parameters
+    ----------
+    gate_up : ndarray or torch.Tensor, shape (M, 2*I)
+        float32 or bf16: the gate and up projections side by side.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (M, I)
+        float32; a torch tensor if gate_up is one.
+
+    Raises
+    ------
+    ValueError
+        If gate_up is not 2-D or its last dimension is odd, or n_threads / backend is invalid.
+    TypeError
+        If gate_up is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> gate_up = np.array([[0.0, 1.0, 2.0, 3.0]], np.float32)  # gate [0, 1], up [2, 3]
+    >>> out = dk.silu_and_mul(gate_up)
+    >>> out.shape, out.dtype
+    ((1, 2), dtype('float32'))
+    >>> np.allclose(out, [[0.0, 3.0 / (1.0 + np.exp(-1.0))]])  # silu(x) = x * sigmoid(x)
+    True
     """
     x = f32_array(gate_up, "gate_up", ndim=2)
     if x.shape[1] % 2:
@@ -103,8 +131,39 @@ class PackedWeight:
 
 
 def pack_weight(weight: Array) -> PackedWeight:
-    """Pack a linear weight (N, K), float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns), for
-    ``linear``'s "fma-packed" path. Makes one copy; the source is not kept."""
+    """Pack a linear weight for ``linear``'s "fma-packed" path (see ``PackedWeight``).
+
+    Makes one copy; the source is not kept.
+
+    Parameters
+    ----------
+    weight : ndarray or torch.Tensor, shape (N, K)
+        float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns).
+
+    Returns
+    -------
+    PackedWeight
+        The packed weight, shape (N, K) and dtype of the source; ``linear`` reads it in place.
+
+    Raises
+    ------
+    ValueError
+        If weight is not 2-D.
+    TypeError
+        If weight is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    >>> packed = dk.pack_weight(w)
+    >>> packed
+    PackedWeight(shape=(4, 3), dtype=float32)
+    >>> np.array_equal(np.asarray(packed), w)  # packing only moves values
+    True
+    >>> x = np.ones((2, 3), np.float32)
+    >>> np.allclose(dk.linear(x, packed), x @ w.T)
+    True
+    """
     w = float_array(weight, "weight", ndim=2)
     n, k = w.shape
     n16 = -(-n // PANEL)
@@ -135,11 +194,43 @@ def pack_weight(weight: Array) -> PackedWeight:
 
 
 def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Array:
-    """``weight`` in the layout ``linear`` runs fastest on here: a ``PackedWeight`` where the Cython
-    kernels run (every compiled path, FMA, AMX or vdpbf16ps tiles, has a packed form at least as
-    fast as its row-major one, whatever the precision), else ``weight`` unchanged (Numba and torch
-    read the row-major layout). For callers that keep a weight for many calls (a model's layers);
-    see ``PackedWeight``."""
+    """``weight`` in the layout ``linear`` runs fastest on here.
+
+    A ``PackedWeight`` where the Cython kernels run (every compiled path, FMA, AMX or vdpbf16ps tiles,
+    has a packed form at least as fast as its row-major one, whatever the precision), else ``weight``
+    unchanged (Numba and torch read the row-major layout). For callers that keep a weight for many
+    calls (a model's layers); see ``PackedWeight``.
+
+    Parameters
+    ----------
+    weight : ndarray, torch.Tensor or PackedWeight, shape (N, K)
+        float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns). A ``PackedWeight`` is returned as
+        it is.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        The backend ``linear`` will run on; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    PackedWeight or ndarray or torch.Tensor
+        ``pack_weight(weight)`` when backend resolves to Cython and weight is not empty, else weight
+        itself.
+
+    Raises
+    ------
+    ValueError
+        If weight is not 2-D, or backend is invalid.
+    TypeError
+        If weight is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> w = np.ones((4, 3), np.float32)
+    >>> dk.prepare_weight(w, backend="torch") is w  # torch reads the row-major layout
+    True
+    >>> prepared = dk.prepare_weight(w)  # a PackedWeight where the Cython kernels run
+    >>> np.allclose(dk.linear(np.ones((2, 3), np.float32), prepared), 3.0)
+    True
+    """
     if isinstance(weight, PackedWeight):
         return weight
     w = float_array(weight, "weight", ndim=2)
@@ -152,14 +243,55 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
            n_threads: int | None = None, backend: str = "auto") -> Array:
     """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
 
-    x: (..., K) float32 (bf16 accepted and upcast; small). weight: (N, K) float32 or bf16, read in
-    place (bf16 is upcast inside the kernel, never as a whole matrix; read-only / memory-mapped
-    weights are fine), or a ``PackedWeight`` (``prepare_weight``: the FMA tiers' fast layout).
-    bias: (N,) float32 or bf16, optional. Returns (..., N) float32.
-    precision: "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two
-    or one bf16 parts, see ``set_matmul_precision``); None = the process default.
-    With backend="auto", shapes that ``tune_linear`` measured faster in torch here run in torch.
-    NaN / inf in the inputs propagate as in IEEE arithmetic.
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (..., K)
+        float32 (bf16 accepted and upcast; small), at least 1-D.
+    weight : ndarray, torch.Tensor or PackedWeight, shape (N, K)
+        float32 or bf16, read in place (bf16 is upcast inside the kernel, never as a whole matrix;
+        read-only / memory-mapped weights are fine), or a ``PackedWeight`` (``prepare_weight``: the FMA
+        tiers' fast layout).
+    bias : ndarray or torch.Tensor, shape (N,), optional
+        float32 or bf16; None (default) = no bias.
+    precision : {"highest", "high", "medium"}, optional
+        "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two or one bf16
+        parts, see ``set_matmul_precision``); None = the process default.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``), and runs
+        shapes that ``tune_linear`` measured faster in torch here in torch.
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (..., N)
+        float32; a torch tensor if x is one. NaN / inf in the inputs propagate as in IEEE arithmetic.
+
+    Raises
+    ------
+    ValueError
+        If x is 0-d, weight is not 2-D, x and weight disagree on K, bias is not of shape (N,), or
+        precision, n_threads or backend is invalid.
+    TypeError
+        If x, weight or bias is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 3), dtype=np.float32)
+    >>> w = rng.standard_normal((4, 3), dtype=np.float32)
+    >>> b = np.arange(4, dtype=np.float32)
+    >>> y = dk.linear(x, w, b)
+    >>> y.shape, y.dtype
+    ((2, 5, 4), dtype('float32'))
+    >>> np.allclose(y, x @ w.T + b, atol=1e-5)
+    True
+
+    A bf16 weight as numpy uint16 bit patterns (0x3FC0 is 1.5):
+
+    >>> w16 = np.full((4, 3), 0x3FC0, np.uint16)
+    >>> np.allclose(dk.linear(x, w16), 1.5 * x.sum(-1, keepdims=True), atol=1e-5)
+    True
     """
     parts = precision_parts(precision)
     if getattr(x, "ndim", 1) < 1:
@@ -219,11 +351,49 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
              n_threads: int | None = None, backend: str = "auto") -> Array | tuple[Array, Array]:
     """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * (offset + w)``, in float32.
 
-    x: (..., H) float32 or bf16 (any rank >= 1). w: (H,) float32 or bf16. offset: 0.0 for Qwen3's
-    RMSNorm, 1.0 for the zero-centred norms of Qwen3.5 (weight stored as w - 1).
-    residual: optional (..., H) like x; then the pre-norm residual add is fused in and the result is
-    ``(rms_norm(x + residual), x + residual)``, both float32. Otherwise returns the normed array.
-    A row of zeros with eps = 0 gives NaN (0 * inf), as the formula does.
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (..., H)
+        float32 or bf16, any rank >= 1, H >= 1.
+    w : ndarray or torch.Tensor, shape (H,)
+        float32 or bf16.
+    eps : float, default 1e-6
+        Finite and >= 0. A row of zeros with eps = 0 gives NaN (0 * inf), as the formula does.
+    offset : float, default 0.0
+        0.0 for Qwen3's RMSNorm, 1.0 for the zero-centred norms of Qwen3.5 (weight stored as w - 1).
+    residual : ndarray or torch.Tensor, shape (..., H), optional
+        Like x; then the pre-norm residual add is fused in (see Returns). None (default): no residual.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, or a pair of them, shape (..., H)
+        The normed array, float32; with residual, ``(rms_norm(x + residual), x + residual)``, both
+        float32. Torch tensors if x is one.
+
+    Raises
+    ------
+    ValueError
+        If x is 0-d or H == 0, w is not of shape (H,), residual is not of x's shape, eps is negative or
+        not finite, offset is not finite, or n_threads / backend is invalid.
+    TypeError
+        If x, w or residual is not a float32 / bf16 array or tensor, eps is not a real number, or offset
+        is not a real number.
+
+    Examples
+    --------
+    >>> x = np.array([[3.0, 4.0]], np.float32)  # mean(x^2) = 12.5
+    >>> w = np.array([1.0, 2.0], np.float32)
+    >>> np.allclose(dk.rms_norm(x, w, eps=0.0), x / np.sqrt(12.5) * w)
+    True
+    >>> np.allclose(dk.rms_norm(x, w - 1, eps=0.0, offset=1.0), x / np.sqrt(12.5) * w)  # Qwen3.5 storage
+    True
+    >>> normed, res = dk.rms_norm(x, w, residual=np.ones_like(x))
+    >>> res
+    array([[4., 5.]], dtype=float32)
     """
     xa = f32_array(x, "x")
     if getattr(x, "ndim", 1) < 1 or xa.shape[-1] == 0:
@@ -251,11 +421,44 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
 
 
 def rope_inv_freq(theta: float, rotary_dim: int, scaling: dict | None = None) -> np.ndarray:
-    """RoPE frequencies (rotary_dim / 2,) float64 of a Hugging Face config: ``theta ** (-2j / rotary_dim)``,
-    rescaled by ``rope_scaling`` (a config's dict): "linear" divides every frequency by ``factor``;
-    "llama3" divides the low frequencies (wavelength above original_max_position_embeddings /
-    low_freq_factor) by ``factor``, keeps the high ones (below .../ high_freq_factor) and blends
-    linearly in between (Llama 3.1's rule). None or "default": no scaling."""
+    """RoPE frequencies of a Hugging Face config: ``theta ** (-2j / rotary_dim)``, j < rotary_dim / 2.
+
+    The frequencies are rescaled by ``rope_scaling`` (a config's dict): "linear" divides every
+    frequency by ``factor``; "llama3" divides the low frequencies (wavelength above
+    original_max_position_embeddings / low_freq_factor) by ``factor``, keeps the high ones (below
+    .../ high_freq_factor) and blends linearly in between (Llama 3.1's rule). None or "default": no
+    scaling.
+
+    Parameters
+    ----------
+    theta : float
+        The RoPE base (``rope_theta``).
+    rotary_dim : int
+        Even, >= 2: the dims rotated.
+    scaling : dict, optional
+        The config's ``rope_scaling``: its "rope_type" (or "type"), "factor" (finite, >= 1; default 1.0)
+        and, for "llama3", "low_freq_factor" (default 1.0), "high_freq_factor" (default 4.0) and
+        "original_max_position_embeddings" (default 8192). None (default) or empty: no scaling.
+
+    Returns
+    -------
+    ndarray, shape (rotary_dim / 2,)
+        float64 frequencies (``apply_rope``'s ``inv_freq``).
+
+    Raises
+    ------
+    ValueError
+        If rotary_dim is not an even int >= 2, factor is not a finite number >= 1, a "llama3" scaling
+        does not have 0 < low_freq_factor < high_freq_factor (and original_max_position_embeddings > 0),
+        or the scaling type is not default, linear or llama3.
+
+    Examples
+    --------
+    >>> dk.rope_inv_freq(10000.0, 4)
+    array([1.  , 0.01])
+    >>> dk.rope_inv_freq(10000.0, 4, {"rope_type": "linear", "factor": 2.0})
+    array([0.5  , 0.005])
+    """
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)) \
             or rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be an even int >= 2, got {rotary_dim!r}")
@@ -285,16 +488,65 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
                backend: str = "auto") -> Array:
     """Rotary position embedding, NeoX rotate-half style, over the first ``rotary_dim`` dims.
 
-    x: (T, H, D) float32 (bf16 accepted, upcast). positions: (T,) non-negative integers.
-    theta: base > 0; ``inv_freq[j] = theta ** (-2j / rotary_dim)``, j < rotary_dim/2, and the angles
-    ``pos * inv_freq`` are formed in float64 (exact enough for positions ~2.6e5, theta 1e7).
-    rotary_dim: even, 2 <= rotary_dim <= D (default D); dims past it are copied unchanged
-    (Qwen3.5 partial rotary: rotary_dim = D / 4).
-    inv_freq: optional (rotary_dim / 2,) finite positive frequencies used instead of theta's (scaled
-    RoPE: Llama 3's "llama3" or "linear" rope_scaling; see ``rope_inv_freq``).
-    out: optional float32 C-contiguous (T, H, D) array / tensor to write into; ``out=x`` rotates x in
-    place (the model layer uses that for q and k). Partially overlapping buffers are not supported.
-    Returns (T, H, D) float32: ``out`` when given, else a new array.
+    ``inv_freq[j] = theta ** (-2j / rotary_dim)``, j < rotary_dim/2, and the angles ``pos * inv_freq``
+    are formed in float64 (exact enough for positions ~2.6e5, theta 1e7). Dims past rotary_dim are
+    copied unchanged.
+
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (T, H, D)
+        float32 (bf16 accepted, upcast).
+    positions : ndarray, torch.Tensor or sequence of int, shape (T,)
+        Non-negative integer positions of the T rows.
+    theta : float
+        RoPE base, finite and > 0.
+    rotary_dim : int, optional
+        Even, 2 <= rotary_dim <= D; None (default) = D. Qwen3.5 partial rotary: rotary_dim = D / 4.
+    inv_freq : ndarray or torch.Tensor, shape (rotary_dim / 2,), optional
+        Finite positive frequencies used instead of theta's (scaled RoPE: Llama 3's "llama3" or
+        "linear" rope_scaling; see ``rope_inv_freq``). None (default): theta's.
+    out : ndarray or torch.Tensor, shape (T, H, D), optional
+        float32 C-contiguous writeable array / tensor to write into; ``out=x`` rotates x in place (the
+        model layer uses that for q and k). Partially overlapping buffers are not supported.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T, H, D)
+        float32: ``out`` when given, else a new array (a torch tensor if x is one).
+
+    Raises
+    ------
+    ValueError
+        If x is not 3-D, positions is not of shape (T,) or holds a negative value, theta is not finite
+        and > 0, rotary_dim is odd or outside [2, D], inv_freq is not rotary_dim / 2 finite positive
+        numbers, out is not a writeable C-contiguous array of x's shape, or n_threads / backend is
+        invalid.
+    TypeError
+        If x is not a float32 / bf16 array or tensor, positions does not hold integers, theta is not a
+        real number, rotary_dim is not an int, or out is not float32.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 1, 4), dtype=np.float32)
+    >>> y = dk.apply_rope(x, np.array([0, 1]), 10000.0)
+    >>> y.shape, y.dtype
+    ((2, 1, 4), dtype('float32'))
+    >>> np.allclose(y[0], x[0])  # position 0: no rotation
+    True
+
+    At position 1, dims 0 and 2 (rotate-half pairs, inv_freq[0] = 1) turn by 1 radian:
+
+    >>> c, s = np.cos(1.0), np.sin(1.0)
+    >>> np.allclose(y[1, 0, [0, 2]], [x[1, 0, 0] * c - x[1, 0, 2] * s, x[1, 0, 2] * c + x[1, 0, 0] * s])
+    True
+    >>> _ = dk.apply_rope(x, np.array([0, 1]), 10000.0, out=x)  # in place
+    >>> np.allclose(x, y)
+    True
     """
     xa = f32_array(x, "x", ndim=3)
     t, _, d = xa.shape

@@ -91,18 +91,67 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
                         head_dim: int, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
                         rope_inv_freq: Array | None = None, sliding_window: int | None = None, prefix: str = "",
                         causal: bool = True, backend: str = "auto") -> Qwen3Layer:
-    """Prepare one layer from its Hugging Face tensors (names as in a Qwen3 / Llama checkpoint, after
-    ``prefix``, e.g. "model.layers.3."): ``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``,
-    ``self_attn.{q,k}_norm.weight`` (Qwen3; both absent for Llama), ``post_attention_layernorm.weight``,
-    ``mlp.{gate,up,down}_proj.weight``. Matmul weights float32 or bf16, all of one dtype.
+    """Prepare one Qwen3 / Llama decoder layer from its Hugging Face tensors, for ``qwen3_layer``.
 
-    num_attention_heads, num_key_value_heads, head_dim: the attention shape (GQA: the first a
-    multiple of the second; head_dim even). rms_norm_eps, rope_theta: the config's. rope_inv_freq:
-    scaled-RoPE frequencies (``rope_inv_freq``), else rope_theta's. sliding_window: the layer's
-    window, or None. causal: for ``drafter_layer``, whether a block row sees the rows after it
-    (DFlash drafters: False; their config's ``causal``). backend: the one the layer will run on
-    (packing is for Cython).
-    Errors name the tensor."""
+    Tensor names as in a Qwen3 / Llama checkpoint, after ``prefix``: ``input_layernorm.weight``,
+    ``self_attn.{q,k,v,o}_proj.weight``, ``self_attn.{q,k}_norm.weight`` (Qwen3; both absent for
+    Llama), ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``. [Wq; Wk; Wv] and
+    [Wgate; Wup] are stacked, every matmul weight put in linear's fastest layout (``prepare_weight``),
+    the norms in float32.
+
+    Parameters
+    ----------
+    weights : Mapping[str, ndarray or torch.Tensor]
+        The layer's tensors by name. Matmul weights float32 or bf16, all of one dtype.
+    num_attention_heads, num_key_value_heads : int
+        Query and kv heads (GQA: the first a multiple of the second), positive.
+    head_dim : int
+        Positive and even (RoPE rotates pairs).
+    rms_norm_eps : float, default 1e-6
+        The config's.
+    rope_theta : float, default 1e6
+        The config's; used unless rope_inv_freq is given.
+    rope_inv_freq : ndarray, shape (head_dim / 2,), optional
+        Scaled-RoPE frequencies (``rope_inv_freq``), finite and positive; None (default): rope_theta's.
+    sliding_window : int, optional
+        The layer's window (>= 1), or None (default).
+    prefix : str, default ""
+        Prefix of the tensor names, e.g. "model.layers.3.".
+    causal : bool, default True
+        For ``drafter_layer``: whether a block row sees only the rows up to its own (DFlash drafters:
+        False, their config's ``causal``).
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        The one the layer will run on (packing is for Cython).
+
+    Returns
+    -------
+    Qwen3Layer
+        The prepared weights.
+
+    Raises
+    ------
+    KeyError
+        If a tensor is missing, or only one of q_norm / k_norm is given. Errors name the tensor.
+    ValueError
+        If a head count or head_dim is not a positive int, num_attention_heads is not a multiple of
+        num_key_value_heads, head_dim is odd, a tensor has the wrong shape, rope_inv_freq is not
+        head_dim / 2 finite positive frequencies, sliding_window is not None or an int >= 1, or backend
+        is invalid.
+    TypeError
+        If a matmul weight has another dtype than q_proj's, or a tensor is not float32 / bf16.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
+    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
+    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
+    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D)
+    >>> layer.hidden_size, layer.intermediate_size, layer.q_norm is None  # no q/k norms: a Llama layer
+    (8, 16, True)
+    """
     for key, v in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads),
                    ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -174,14 +223,66 @@ def _cache(c, name: str, min_len: int, n_kv: int, d: int, writable: bool = True)
 
 def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, start: int, *,
                 precision: str | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
-    """The layer's output for rows x (T, H) of the residual stream at positions start..start+T-1.
+    """The layer's output for rows x of the residual stream at positions start..start+T-1.
 
-    k_cache, v_cache: this layer's cache, (max_len, H_kv, D) float32 or bf16 (torch.bfloat16 or numpy
-    uint16), C-contiguous and writable, holding positions 0..start-1. The rows' K (after k_norm and
-    RoPE) and V are written at start..start+T-1, and attention is causal over positions 0..start+T-1
-    (within the layer's window). Returns (T, H) float32: x + attention + MLP, as HF's decoder layer.
-    precision: as ``linear`` (None: the process default). On the Cython backend with packed weights
-    this is one compiled call; otherwise the composition of the single ops (``compose_qwen3_layer``).
+    The rows' K (after k_norm and RoPE) and V are written into the cache at start..start+T-1, and
+    attention is causal over positions 0..start+T-1 (within the layer's window). On the Cython backend
+    with packed weights this is one compiled call; otherwise the composition of the single ops
+    (``compose_qwen3_layer``).
+
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (T, H)
+        Rows of the residual stream, float32 (bf16 is upcast).
+    layer : Qwen3Layer
+        The layer's weights (``prepare_qwen3_layer``).
+    k_cache, v_cache : ndarray or torch.Tensor, shape (max_len, H_kv, D)
+        This layer's cache, float32 or bf16 (torch.bfloat16 or numpy uint16), C-contiguous and
+        writable, one shape and one dtype, holding positions 0..start-1; max_len >= start + T.
+    start : int
+        Position of the first row, >= 0.
+    precision : {"highest", "high", "medium"}, optional
+        As ``linear``; None = the process default.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T, H)
+        float32: x + attention + MLP, as HF's decoder layer; a torch tensor if x is one.
+
+    Raises
+    ------
+    TypeError
+        If layer is not a Qwen3Layer, or x or a cache is not a float32 / bf16 array or tensor.
+    ValueError
+        If x is not (T, H), start is not an int >= 0, a cache is not 3-D, C-contiguous and writable,
+        not (max_len, H_kv, D) or shorter than start + T, the caches differ in shape or dtype, or
+        precision, n_threads or backend is invalid.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
+    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
+    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
+    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D)
+    >>> x = rng.standard_normal((3, H), dtype=np.float32)
+    >>> k_cache, v_cache = np.zeros((2, 4, 1, D), np.float32)  # max_len 4
+    >>> out = dk.qwen3_layer(x, layer, k_cache, v_cache, 0)  # prefill positions 0..2
+    >>> out.shape, out.dtype
+    ((3, 8), dtype('float32'))
+
+    The same rows as a prefill of two and a decode step of one, on a second cache:
+
+    >>> k2, v2 = np.zeros((2, 4, 1, D), np.float32)
+    >>> steps = [dk.qwen3_layer(x[:2], layer, k2, v2, 0), dk.qwen3_layer(x[2:], layer, k2, v2, 2)]
+    >>> np.allclose(np.concatenate(steps), out, rtol=1e-4, atol=1e-4), np.allclose(k2, k_cache, atol=1e-5)
+    (True, True)
     """
     xa, kc, vc = _check(x, layer, k_cache, v_cache, "k_cache", "v_cache", start)
     return _run(x, xa, layer, kc, vc, int(start), True, precision, n_threads, backend)
@@ -189,14 +290,56 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
 
 def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, precision: str | None = None,
                   n_threads: int | None = None, backend: str = "auto") -> Array:
-    """A DFlash drafter layer over rows x (T, H) of the block's residual stream, at positions
-    T_ctx..T_ctx+T-1 after the injected context.
+    """A DFlash drafter layer over rows x of the block's residual stream, after the injected context.
 
-    k_ctx, v_ctx: (T_ctx, H_kv, D) float32 or bf16, the context's K (after k_norm and RoPE) and V,
-    read only. The block's queries see the context and the block's own K/V (every block row, or
-    the rows up to their own with ``layer.causal``; within ``layer.window``), as
-    ``injected_kv_attention``. Returns (T, H) float32. precision: as ``linear``. One compiled call
-    on the Cython backend with packed weights, else ``compose_drafter_layer``.
+    The rows sit at positions T_ctx..T_ctx+T-1. The block's queries see the context and the block's own
+    K/V (every block row, or the rows up to their own with ``layer.causal``; within ``layer.window``),
+    as ``injected_kv_attention``; the block's K/V are not stored. One compiled call on the Cython
+    backend with packed weights, else ``compose_drafter_layer``.
+
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (T, H)
+        Rows of the block's residual stream, float32 (bf16 is upcast).
+    layer : Qwen3Layer
+        The layer's weights (``prepare_qwen3_layer``; its ``causal`` and ``window`` apply).
+    k_ctx, v_ctx : ndarray or torch.Tensor, shape (T_ctx, H_kv, D)
+        The context's K (after k_norm and RoPE) and V, float32 or bf16, C-contiguous, one shape and one
+        dtype; read only.
+    precision : {"highest", "high", "medium"}, optional
+        As ``linear``; None = the process default.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T, H)
+        float32; a torch tensor if x is one.
+
+    Raises
+    ------
+    TypeError
+        If layer is not a Qwen3Layer, or x, k_ctx or v_ctx is not a float32 / bf16 array or tensor.
+    ValueError
+        If x is not (T, H), k_ctx or v_ctx is not 3-D, C-contiguous and (T_ctx, H_kv, D), they differ in
+        shape or dtype, or precision, n_threads or backend is invalid.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
+    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
+    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
+    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D,
+    ...                                causal=False)
+    >>> k_ctx, v_ctx = rng.standard_normal((2, 5, 1, D), dtype=np.float32)  # T_ctx = 5
+    >>> out = dk.drafter_layer(rng.standard_normal((3, H), dtype=np.float32), layer, k_ctx, v_ctx)
+    >>> out.shape, out.dtype
+    ((3, 8), dtype('float32'))
     """
     xa, kc, vc = _check(x, layer, k_ctx, v_ctx, "k_ctx", "v_ctx", None)
     return _run(x, xa, layer, kc, vc, kc.shape[0], False, precision, n_threads, backend)

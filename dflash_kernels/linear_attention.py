@@ -69,25 +69,85 @@ def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
                      backend: str = "auto") -> tuple[Array, Array | None]:
     """Gated delta rule over a block of T tokens, continuing from (and updating) `state` in place.
 
-    q, k: (T, H_k, d_k) raw projections (after conv + SiLU), float32 or bf16; with
-        ``use_qk_l2norm`` (default) both are l2-normalised here (x * rsqrt(sum x^2 + 1e-6)) and q is
-        multiplied by ``scale`` (default d_k**-0.5), exactly as Qwen3.5 does in fp32.
-    v: (T, H_v, d_v) float32 or bf16; H_v % H_k == 0, value head h reads key head h // (H_v // H_k).
-    g: (T, H_v) log-decay (<= 0, i.e. -exp(A_log) * softplus(a + dt_bias)); beta: (T, H_v) (sigmoid(b)).
-    state: (H_v, d_k, d_v) float32, C-contiguous, writable; on return it holds the state after token T-1.
-    Per token and value head: S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
-    checkpoints: False; True (the state after every token); or a sequence of distinct token indices.
-    chunk_size: 0 = the token-by-token recurrence; n > 0 = the chunked (WY) form in chunks of n (not
-        combinable with checkpoints); None = the faster form per backend: torch runs chunks of 64 for
+    Per token and value head: S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q. Value head h
+    reads key head h // (H_v // H_k). NaN/inf propagate unchecked.
+
+    Parameters
+    ----------
+    q, k : ndarray or torch.Tensor, shape (T, H_k, d_k)
+        Raw projections (after conv + SiLU), float32 or bf16; with ``use_qk_l2norm`` both are
+        l2-normalised here, exactly as Qwen3.5 does in fp32.
+    v : ndarray or torch.Tensor, shape (T, H_v, d_v)
+        float32 or bf16; H_v % H_k == 0.
+    g : ndarray or torch.Tensor, shape (T, H_v)
+        Log-decay (<= 0, i.e. -exp(A_log) * softplus(a + dt_bias)), float32 or bf16.
+    beta : ndarray or torch.Tensor, shape (T, H_v)
+        sigmoid(b), float32 or bf16.
+    state : ndarray or torch.Tensor, shape (H_v, d_k, d_v)
+        float32, C-contiguous, writable; on return it holds the state after token T-1.
+    checkpoints : bool or sequence of int, default False
+        False; True (the state after every token); or a sequence of distinct token indices in [0, T).
+    use_qk_l2norm : bool, default True
+        l2-normalise q and k (x * rsqrt(sum x^2 + 1e-6)).
+    scale : float, optional
+        q is multiplied by it; None (default) = d_k**-0.5.
+    chunk_size : int, optional
+        0 = the token-by-token recurrence; n > 0 = the chunked (WY) form in chunks of n (not combinable
+        with checkpoints); None (default) = the faster form per backend: torch runs chunks of 64 for
         T > 64, the compiled kernels always run the recurrence (one pass per token over L1-resident
         (d_k, 16) state blocks measured 1.6-3x faster than their chunked form at T = 512, see
         bench/bench_linear_attention.py). Both forms agree to float32 rounding.
-    checkpoints_out: optional preallocated (n_kept, H_v, d_k, d_v) float32 C-contiguous writable buffer
-        for the checkpoints (reuse it across rounds: a fresh n_kept x 2 MiB allocation per call costs
-        page faults on top of the memory-bound copies).
-    Returns o (T, H_v, d_v) float32, and with checkpoints also (n_kept, H_v, d_k, d_v) float32 states
-    (``state[...] = ckpts[a]`` restores the state after token a; checkpoints_out itself when given).
-    NaN/inf propagate unchecked.
+    checkpoints_out : ndarray or torch.Tensor, shape (n_kept, H_v, d_k, d_v), optional
+        Preallocated float32 C-contiguous writable buffer for the checkpoints (reuse it across rounds:
+        a fresh n_kept x 2 MiB allocation per call costs page faults on top of the memory-bound
+        copies).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    o : ndarray or torch.Tensor, shape (T, H_v, d_v)
+        float32. Without checkpoints (False or None) o alone is returned.
+    ckpts : ndarray or torch.Tensor, shape (n_kept, H_v, d_k, d_v)
+        Only with checkpoints: float32 states (``state[...] = ckpts[a]`` restores the state after
+        token a; checkpoints_out itself when given). Torch tensors if q, k, v or state is one.
+
+    Raises
+    ------
+    ValueError
+        If the shapes disagree (q, k, v not 3-D or g, beta not (T, H_v), k not of q's shape, v without
+        T rows, H_v not a multiple of H_k, a zero head dim or head count, state or checkpoints_out of
+        another shape or not C-contiguous and writable), checkpoints indices are out of range or
+        repeated, chunk_size is not None or an int >= 0 or is > 0 with checkpoints, checkpoints_out is
+        given without checkpoints, or n_threads / backend is invalid.
+    TypeError
+        If q, k, v, g or beta is not a float32 / bf16 array or tensor, state or checkpoints_out is not
+        float32, or checkpoints is neither a bool nor a sequence of indices.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 3, 1, 4), dtype=np.float32)  # T = 3, H_k = 1, d_k = 4
+    >>> v = rng.standard_normal((3, 2, 4), dtype=np.float32)  # H_v = 2, d_v = 4
+    >>> g, beta = np.full((3, 2), -0.1, np.float32), np.full((3, 2), 0.5, np.float32)
+    >>> state = np.zeros((2, 4, 4), np.float32)
+    >>> o, ckpts = dk.gated_delta_rule(q, k, v, g, beta, state, checkpoints=True)
+    >>> o.shape, ckpts.shape
+    ((3, 2, 4), (3, 2, 4, 4))
+    >>> np.allclose(ckpts[-1], state)  # state was updated in place
+    True
+
+    Two blocks continue one another, and checkpoint a is the state after token a:
+
+    >>> state2 = np.zeros((2, 4, 4), np.float32)
+    >>> o1 = dk.gated_delta_rule(q[:2], k[:2], v[:2], g[:2], beta[:2], state2)
+    >>> np.allclose(state2, ckpts[1], atol=1e-6)
+    True
+    >>> o2 = dk.gated_delta_rule(q[2:], k[2:], v[2:], g[2:], beta[2:], state2)
+    >>> np.allclose(np.concatenate([o1, o2]), o, atol=1e-6), np.allclose(state2, state, atol=1e-6)
+    (True, True)
     """
     qa = f32_array(q, "q", ndim=3)
     ka = f32_array(k, "k", ndim=3)
@@ -147,13 +207,57 @@ def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str
                   backend: str = "auto") -> Array | tuple[Array, Array]:
     """Depthwise causal conv over time (Qwen3.5 GDN short conv), continuing from `conv_state`.
 
-    x: (T, C) float32 or bf16, channels in the checkpoint's order ([q | k | v] for Qwen3.5).
-    weight: (C, K) or (C, 1, K) (nn.Conv1d depthwise), oldest tap first, float32 or bf16.
-    conv_state: (C, K-1) float32, writable, C-contiguous: the last K-1 inputs before x, oldest first
-        (zeros at the start of a sequence); updated in place to the last K-1 inputs including x.
     y[t, c] = act(sum_j weight[c, j] * xpad[t + j, c]) with xpad = [conv_state^T ; x], act = SiLU or
-    None (activation=None). Returns y (T, C) float32, and with checkpoints=True also the conv states
-    after every token (T, C, K-1) float32 (the compact alternative: ``conv_state_at``).
+    None (activation=None).
+
+    Parameters
+    ----------
+    x : ndarray or torch.Tensor, shape (T, C)
+        float32 or bf16, channels in the checkpoint's order ([q | k | v] for Qwen3.5).
+    weight : ndarray or torch.Tensor, shape (C, K) or (C, 1, K)
+        (C, 1, K) is nn.Conv1d's depthwise layout; oldest tap first, float32 or bf16, K >= 1.
+    conv_state : ndarray or torch.Tensor, shape (C, K-1)
+        float32, writable, C-contiguous: the last K-1 inputs before x, oldest first (zeros at the start
+        of a sequence); updated in place to the last K-1 inputs including x.
+    activation : {"silu", None}, default "silu"
+        SiLU, or None for no activation.
+    checkpoints : bool, default False
+        Also return the conv states after every token (the compact alternative: ``conv_state_at``).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    y : ndarray or torch.Tensor, shape (T, C)
+        float32; alone without checkpoints.
+    ckpts : ndarray or torch.Tensor, shape (T, C, K-1)
+        Only with checkpoints=True: float32 conv states after every token. Torch tensors if x or
+        conv_state is one.
+
+    Raises
+    ------
+    ValueError
+        If x is not 2-D, weight is not (C, K) or (C, 1, K) with K >= 1 and x's C, activation is not
+        "silu" or None, conv_state is not (C, K-1), C-contiguous and writable, or n_threads / backend
+        is invalid.
+    TypeError
+        If x or weight is not a float32 / bf16 array or tensor, conv_state is not float32, or
+        checkpoints is not a bool.
+
+    Examples
+    --------
+    >>> x = np.arange(6, dtype=np.float32).reshape(3, 2)  # T = 3, C = 2
+    >>> weight = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]], np.float32)  # K = 3: the newest / oldest tap
+    >>> conv_state = np.zeros((2, 2), np.float32)
+    >>> dk.causal_conv1d(x, weight, conv_state, activation=None)
+    array([[0., 0.],
+           [2., 0.],
+           [4., 1.]], dtype=float32)
+    >>> conv_state  # the last K-1 = 2 inputs, oldest first
+    array([[2., 4.],
+           [3., 5.]], dtype=float32)
     """
     xa = f32_array(x, "x", ndim=2)
     w = _conv_weight(weight)
@@ -177,9 +281,40 @@ def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str
 def conv_state_at(conv_state_before: Array, x: Array, n: int) -> Array:
     """The conv state after the first n tokens of x: rows n .. n+K-2 of [conv_state_before^T ; x].
 
-    conv_state_before: (C, K-1), the state before x was fed; x: (T, C) the inputs fed; 0 <= n <= T.
-    Returns a new (C, K-1) float32 array (torch tensor if either input is one). Use it to restore
-    the conv state of the accepted prefix after verification without keeping per-token states.
+    Use it to restore the conv state of the accepted prefix after verification without keeping
+    per-token states.
+
+    Parameters
+    ----------
+    conv_state_before : ndarray or torch.Tensor, shape (C, K-1)
+        The state before x was fed, float32 or bf16.
+    x : ndarray or torch.Tensor, shape (T, C)
+        The inputs fed, float32 or bf16.
+    n : int
+        Tokens of x taken, 0 <= n <= T.
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (C, K-1)
+        A new float32 array (torch tensor if either input is one).
+
+    Raises
+    ------
+    ValueError
+        If an input is not 2-D, x does not have C channels, or n is not an int in [0, T].
+    TypeError
+        If an input is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> before = np.zeros((2, 2), np.float32)  # C = 2, K = 3
+    >>> x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    >>> dk.conv_state_at(before, x, 1)  # a row of the old state, then x[0]
+    array([[0., 0.],
+           [0., 1.]], dtype=float32)
+    >>> dk.conv_state_at(before, x, 3)  # what causal_conv1d leaves in conv_state
+    array([[2., 4.],
+           [3., 5.]], dtype=float32)
     """
     sa = f32_array(conv_state_before, "conv_state_before", ndim=2)
     xa = f32_array(x, "x", ndim=2)
@@ -197,8 +332,39 @@ def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_th
                    backend: str = "auto") -> Array:
     """Qwen3.5 RMSNormGated (linear_attn.norm): weight * x * rsqrt(mean(x^2) + eps) * silu(z), fp32.
 
-    x, z: (..., D) float32 or bf16 (same shape; D = d_v, one norm per head); weight: (D,), ones-centred
-    (NOT the zero-centred 1 + w of the other Qwen3.5 norms). Returns float32 of x's shape.
+    Parameters
+    ----------
+    x, z : ndarray or torch.Tensor, shape (..., D)
+        float32 or bf16, the same shape; D = d_v >= 1, one norm per head.
+    weight : ndarray or torch.Tensor, shape (D,)
+        Ones-centred (NOT the zero-centred 1 + w of the other Qwen3.5 norms), float32 or bf16.
+    eps : float, default 1e-6
+        Finite, >= 0.
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor
+        float32 of x's shape; a torch tensor if x or z is one.
+
+    Raises
+    ------
+    ValueError
+        If x is 0-d or has an empty last axis, z is not of x's shape, weight is not (D,), eps is
+        negative or not finite, or n_threads / backend is invalid.
+    TypeError
+        If x, z or weight is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> x = np.array([[3.0, 4.0]], np.float32)  # mean(x^2) = 12.5
+    >>> z = np.array([[0.0, 2.0]], np.float32)
+    >>> out = dk.gated_rms_norm(x, z, np.ones(2, np.float32), eps=0.0)
+    >>> np.allclose(out, x / np.sqrt(12.5) * z / (1.0 + np.exp(-z)))
+    True
     """
     xa = f32_array(x, "x")
     za = f32_array(z, "z")
@@ -220,8 +386,41 @@ def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_th
 def split_query_gate(qg: Array, n_heads: int, head_dim: int) -> tuple[Array, Array]:
     """Split a Qwen3.5 gated-attention q_proj output, laid out per head as [query_h | gate_h].
 
-    qg: (T, n_heads * 2 * head_dim) float32 or bf16. Returns (query (T, n_heads, head_dim),
-    gate (T, n_heads * head_dim)), C-contiguous copies in qg's dtype (data movement only).
+    Data movement only.
+
+    Parameters
+    ----------
+    qg : ndarray or torch.Tensor, shape (T, n_heads * 2 * head_dim)
+        float32 or bf16.
+    n_heads : int
+        Attention heads, positive.
+    head_dim : int
+        Head dim, positive.
+
+    Returns
+    -------
+    query : ndarray or torch.Tensor, shape (T, n_heads, head_dim)
+        The queries: a C-contiguous copy in qg's dtype (and framework).
+    gate : ndarray or torch.Tensor, shape (T, n_heads * head_dim)
+        The gates: a C-contiguous copy in qg's dtype (and framework).
+
+    Raises
+    ------
+    ValueError
+        If qg is not 2-D, n_heads or head_dim is not a positive int, or qg does not have
+        n_heads * 2 * head_dim columns.
+    TypeError
+        If qg is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> qg = np.arange(8, dtype=np.float32).reshape(1, 8)  # T = 1, 2 heads of [query (2) | gate (2)]
+    >>> query, gate = dk.split_query_gate(qg, 2, 2)
+    >>> query
+    array([[[0., 1.],
+            [4., 5.]]], dtype=float32)
+    >>> gate
+    array([[2., 3., 6., 7.]], dtype=float32)
     """
     arr = float_array(qg, "qg", ndim=2)
     for name, val in (("n_heads", n_heads), ("head_dim", head_dim)):
@@ -238,7 +437,36 @@ def split_query_gate(qg: Array, n_heads: int, head_dim: int) -> tuple[Array, Arr
 def apply_output_gate(o: Array, gate: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """Gated attention output o * sigmoid(gate), before o_proj.
 
-    o: (T, H, D) or (T, H*D); gate: (T, H*D); float32 or bf16. Returns (T, H*D) float32.
+    Parameters
+    ----------
+    o : ndarray or torch.Tensor, shape (T, H, D) or (T, H*D)
+        Attention output, float32 or bf16.
+    gate : ndarray or torch.Tensor, shape (T, H*D)
+        float32 or bf16 (``split_query_gate``'s gate).
+    n_threads : int, optional
+        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    backend : {"auto", "cython", "numba", "torch"}, default "auto"
+        Implementation to run; "auto" takes the first available (``available_backends()``).
+
+    Returns
+    -------
+    ndarray or torch.Tensor, shape (T, H*D)
+        float32; a torch tensor if o or gate is one.
+
+    Raises
+    ------
+    ValueError
+        If gate is not 2-D, o is not (T, H, D) or (T, H*D) matching gate, or n_threads / backend is
+        invalid.
+    TypeError
+        If o or gate is not a float32 / bf16 array or tensor.
+
+    Examples
+    --------
+    >>> o = np.ones((2, 2, 3), np.float32)  # T = 2, H = 2, D = 3
+    >>> out = dk.apply_output_gate(o, np.zeros((2, 6), np.float32))  # sigmoid(0) = 0.5
+    >>> out.shape, np.allclose(out, 0.5)
+    ((2, 6), True)
     """
     oa = f32_array(o, "o")
     ga = f32_array(gate, "gate", ndim=2)
