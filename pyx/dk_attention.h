@@ -20,9 +20,11 @@ static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
 
 /* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
    (DK_RB rows x DK_NV vectors of DK_W floats) stay in registers: 8 x 2 vectors of 16 floats with
-   AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs), 4 x 2 of 8 with AVX2 (8 of 16
-   ymm; 6 rows were no faster). Items that pack <= 4 rows (decode) use 4-row blocks. A block covers DK_CB = DK_NV * DK_W keys (in S)
-   or head dims (in P V). */
+   AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs), 6 x 2 of 8 with AVX2 (12 of 16
+   ymm: Zen 2 needs 10 independent FMAs in flight to reach its FMA rate; against 4 x 2, 16 queries
+   over 4096 / 512 keys ran 2% / 6-9% faster there, bench/attention_ab.py, docs/benchmarks.md
+   session 11). Items that pack <= 4 rows (decode) use 4-row blocks. A block covers DK_CB = DK_NV *
+   DK_W keys (in S) or head dims (in P V). */
 #if defined(__AVX512F__)
 #define DK_W 16
 #define DK_NV 2
@@ -33,7 +35,7 @@ static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
 #define DK_W 8
 #define DK_NV 2
 #ifndef DK_RB
-#define DK_RB 4
+#define DK_RB 6
 #endif
 #endif
 #define DK_CB (DK_NV * DK_W)
