@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ._dispatch import run
+from ._docs import shared_doc
 from ._tensors import Array, Generator, any_torch, float_array, index_array, wrap
 
 # kernel status codes (see dflash_kernels/_numba/acceptance.py)
@@ -104,6 +105,7 @@ def _finish(num_accepted, out, unbatched: bool, torch_out: bool):
     return wrap(num_accepted, torch_out), wrap(out, torch_out)
 
 
+@shared_doc
 def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | None = None, *,
                   vocab_size: int | None = None, n_threads: int | None = None,
                   backend: str = "auto") -> tuple[Array, Array]:
@@ -121,10 +123,8 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
     vocab_size : int, optional
         Upper bound for the ids. Only the used ids are checked: drafts at positions < num_draft[b],
         targets at positions <= num_draft[b].
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -242,6 +242,7 @@ def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_
     return wrap(p.float().numpy(), any_torch(logits))
 
 
+@shared_doc
 def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: Array | None = None,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_draft: Array | None = None,
                      uniforms: Array | None = None, generator: Generator = None, n_threads: int | None = None,
@@ -285,10 +286,8 @@ def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: 
     generator : int, numpy.random.Generator or torch.Generator, optional
         Without uniforms, they are drawn from it (int seed, numpy Generator, torch.Generator; None
         (default) = fresh entropy) as a float64 (B, K+1, 2) array.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------

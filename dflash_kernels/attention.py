@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from ._dispatch import run
+from ._docs import shared_doc
 from ._precision import parts as precision_parts
 from ._tensors import Array, any_torch, f32_array, float_array, wrap
 
@@ -75,6 +76,7 @@ def _check_heads(h_q: int, h_kv: int, k_name: str):
         raise ValueError(f"q heads ({h_q}) must be a positive multiple of {k_name} heads ({h_kv})")
 
 
+@shared_doc
 def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_blk: Array, *,
                           scale: float | None = None, causal_block: bool = False, window: int | None = None,
                           precision: str | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
@@ -106,10 +108,8 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
     precision : {"highest", "high", "medium"}, optional
         Of both products, see the module docstring; None = the process default
         (``set_matmul_precision``).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -161,6 +161,7 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
     return wrap(out, any_torch(q, k_ctx, v_ctx, k_blk, v_blk))
 
 
+@shared_doc
 def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool = True, scale: float | None = None,
                      window: int | None = None, precision: str | None = None, n_threads: int | None = None,
                      backend: str = "auto") -> Array:
@@ -187,10 +188,8 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
     precision : {"highest", "high", "medium"}, optional
         Of both products, see the module docstring; None = the process default
         (``set_matmul_precision``).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------

@@ -9,6 +9,7 @@ import torch
 
 from ._backends import resolve
 from ._dispatch import run
+from ._docs import shared_doc
 from ._precision import parts as precision_parts
 from ._tensors import Array, Generator, any_torch, f32_array, float_array, index_array, wrap
 from ._threads import resolve_threads
@@ -16,6 +17,7 @@ from .acceptance import check_sampling, check_uniforms, draw_uniforms
 from .reference.dense import round_activations
 
 
+@shared_doc
 def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   generator: Generator = None, uniforms: Array | None = None, precision: str | None = None,
                   n_threads: int | None = None, backend: str = "auto") -> Array:
@@ -47,10 +49,8 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
     precision : {"highest", "high", "medium"}, optional
         Of the logits' products, as in ``linear`` (hidden rounded to bf16 parts); None = the process
         default (``set_matmul_precision``).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -104,6 +104,7 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
     return wrap(tokens, any_torch(hidden, lm_head))
 
 
+@shared_doc
 def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, vocab_size: int | None = None,
                      n_threads: int | None = None, backend: str = "auto") -> Array:
     """The block a drafter denoises: [anchor, MASK x (block_size - 1)] per sequence.
@@ -120,10 +121,8 @@ def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, 
         Tokens per block, in [1, 65536] (drafters use 8-32).
     vocab_size : int, optional
         When given, every id (anchors and mask_token_id) must lie below it.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------

@@ -10,11 +10,13 @@ import numpy as np
 from ._autotune import delegates, torch_linear
 from ._backends import resolve
 from ._dispatch import run
+from ._docs import shared_doc
 from ._precision import parts as precision_parts
 from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_torch, wrap
 from ._threads import resolve_threads
 
 
+@shared_doc
 def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """SwiGLU activation: ``silu(gate) * up`` where ``gate_up = [gate | up]`` along the last axis.
 
@@ -22,10 +24,8 @@ def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str =
     ----------
     gate_up : ndarray or torch.Tensor, shape (M, 2*I)
         float32 or bf16: the gate and up projections side by side.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -239,6 +239,7 @@ def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Ar
     return pack_weight(w)
 
 
+@shared_doc
 def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str | None = None,
            n_threads: int | None = None, backend: str = "auto") -> Array:
     """Linear layer ``x @ weight.T + bias`` with fp32 or bf16 weights, computed in float32.
@@ -256,8 +257,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
     precision : {"highest", "high", "medium"}, optional
         "highest" (exact fp32 activations), "high" or "medium" (activations rounded to two or one bf16
         parts, see ``set_matmul_precision``); None = the process default.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
+    {n_threads}
     backend : {"auto", "cython", "numba", "torch"}, default "auto"
         Implementation to run; "auto" takes the first available (``available_backends()``), and runs
         shapes that ``tune_linear`` measured faster in torch here in torch.
@@ -347,6 +347,7 @@ def _offset(offset) -> float:
     return float(offset)
 
 
+@shared_doc
 def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, residual: Array | None = None,
              n_threads: int | None = None, backend: str = "auto") -> Array | tuple[Array, Array]:
     """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * (offset + w)``, in float32.
@@ -363,10 +364,8 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
         0.0 for Qwen3's RMSNorm, 1.0 for the zero-centred norms of Qwen3.5 (weight stored as w - 1).
     residual : ndarray or torch.Tensor, shape (..., H), optional
         Like x; then the pre-norm residual add is fused in (see Returns). None (default): no residual.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -483,6 +482,7 @@ def rope_inv_freq(theta: float, rotary_dim: int, scaling: dict | None = None) ->
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+@shared_doc
 def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None = None, *,
                inv_freq: Array | None = None, out: Array | None = None, n_threads: int | None = None,
                backend: str = "auto") -> Array:
@@ -508,10 +508,8 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     out : ndarray or torch.Tensor, shape (T, H, D), optional
         float32 C-contiguous writeable array / tensor to write into; ``out=x`` rotates x in place (the
         model layer uses that for q and k). Partially overlapping buffers are not supported.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._backends import resolve
+from ._docs import shared_doc
 from ._precision import check_precision, get_matmul_precision, parts as precision_parts
 from ._tensors import Array, _numpy_view, any_torch, f32_array, f32_to_bf16, float_array, wrap
 from ._threads import resolve_threads
@@ -221,6 +222,7 @@ def _cache(c, name: str, min_len: int, n_kv: int, d: int, writable: bool = True)
     return arr
 
 
+@shared_doc
 def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, start: int, *,
                 precision: str | None = None, n_threads: int | None = None, backend: str = "auto") -> Array:
     """The layer's output for rows x of the residual stream at positions start..start+T-1.
@@ -243,10 +245,8 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
         Position of the first row, >= 0.
     precision : {"highest", "high", "medium"}, optional
         As ``linear``; None = the process default.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -288,6 +288,7 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
     return _run(x, xa, layer, kc, vc, int(start), True, precision, n_threads, backend)
 
 
+@shared_doc
 def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, precision: str | None = None,
                   n_threads: int | None = None, backend: str = "auto") -> Array:
     """A DFlash drafter layer over rows x of the block's residual stream, after the injected context.
@@ -308,10 +309,8 @@ def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, pr
         dtype; read only.
     precision : {"highest", "high", "medium"}, optional
         As ``linear``; None = the process default.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dispatch import run
+from ._docs import shared_doc
 from ._tensors import Array, _numpy_view, any_torch, dtype_name, f32_array, float_array, wrap
 
 
@@ -63,6 +64,7 @@ def _checkpoint_slots(checkpoints, T: int) -> np.ndarray:
     return slot
 
 
+@shared_doc
 def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *, checkpoints: bool = False,
                      use_qk_l2norm: bool = True, scale: float | None = None, chunk_size: int | None = None,
                      checkpoints_out: Array | None = None, n_threads: int | None = None,
@@ -101,10 +103,8 @@ def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
         Preallocated float32 C-contiguous writable buffer for the checkpoints (reuse it across rounds:
         a fresh n_kept x 2 MiB allocation per call costs page faults on top of the memory-bound
         copies).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -202,6 +202,7 @@ def _conv_weight(weight) -> np.ndarray:
     return w
 
 
+@shared_doc
 def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str | None = "silu",
                   checkpoints: bool = False, n_threads: int | None = None,
                   backend: str = "auto") -> Array | tuple[Array, Array]:
@@ -223,10 +224,8 @@ def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str
         SiLU, or None for no activation.
     checkpoints : bool, default False
         Also return the conv states after every token (the compact alternative: ``conv_state_at``).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -328,6 +327,7 @@ def conv_state_at(conv_state_before: Array, x: Array, n: int) -> Array:
     return wrap(out, any_torch(conv_state_before, x))
 
 
+@shared_doc
 def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_threads: int | None = None,
                    backend: str = "auto") -> Array:
     """Qwen3.5 RMSNormGated (linear_attn.norm): weight * x * rsqrt(mean(x^2) + eps) * silu(z), fp32.
@@ -340,10 +340,8 @@ def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_th
         Ones-centred (NOT the zero-centred 1 + w of the other Qwen3.5 norms), float32 or bf16.
     eps : float, default 1e-6
         Finite, >= 0.
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
@@ -434,6 +432,7 @@ def split_query_gate(qg: Array, n_heads: int, head_dim: int) -> tuple[Array, Arr
     return wrap(query, any_torch(qg)), wrap(gate, any_torch(qg))
 
 
+@shared_doc
 def apply_output_gate(o: Array, gate: Array, *, n_threads: int | None = None, backend: str = "auto") -> Array:
     """Gated attention output o * sigmoid(gate), before o_proj.
 
@@ -443,10 +442,8 @@ def apply_output_gate(o: Array, gate: Array, *, n_threads: int | None = None, ba
         Attention output, float32 or bf16.
     gate : ndarray or torch.Tensor, shape (T, H*D)
         float32 or bf16 (``split_query_gate``'s gate).
-    n_threads : int, optional
-        Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.
-    backend : {"auto", "cython", "numba", "torch"}, default "auto"
-        Implementation to run; "auto" takes the first available (``available_backends()``).
+    {n_threads}
+    {backend}
 
     Returns
     -------
