@@ -52,8 +52,8 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #endif
 /* avx2, fp32 tiles of up to 6 rows (12 accumulators, 2 weight vectors and the broadcast: 15 ymm).
    The 4 x 16 bf16 tile is bound by FMA latency, not rate: Zen 2 needs 10 FMAs in flight (2 pipes x
-   5 cycles) and 8 accumulators give 8, so it ran at 76% of the FMA peak on L1-resident data, where
-   a 6 x 16 fp32 tile ran at 100% (a one-off C harness, not kept). So with bf16 weights each K chunk
+   5 cycles) and 8 accumulators give 8, so it ran at 74-79% of the FMA peak on L1-resident data, where
+   a 6 x 16 fp32 tile ran at 99-103% (bench/avx2_tiles.c, Zen 2). So with bf16 weights each K chunk
    of the panel is upcast once (exactly) into an L1 buffer that every row tile then reads, whenever
    the rows split into tiles of at least 5 (dk_pk_upcast_tiles): 16 rows as 6 + 5 + 5. 8 rows stay
    on the bf16 tile (4 + 4: the upcast cost more than it saved). The sums run in the same order
