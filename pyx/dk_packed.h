@@ -86,10 +86,11 @@ static inline long dk_pk_panel_elems(long K, int bf16) {
    even, except a last odd kc), into out (row stride ldo; the first ncols <= nv * 16 columns). first:
    the chunk's sums are stored, else added to out; bias (last chunk only) is added after. pf, pfnext:
    prefetches along the panels (see dk_pk_next_chunk); pfup (fp32 tiles over an upcast chunk): bf16
-   bytes to ask into L2, 32 per k. */
+   bytes to ask into L2, 32 per k. upst (bf16, nv = 1): the upcast weights are also stored there,
+   buf[k * 16 + j] for k < kc, for the fp32 tiles of the other rows (dk_pk_run). */
 DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long kc, const float *x,
                       long ldx, const void *P, long pstride, int first, const float *bias, float *out,
-                      long ldo, long ncols, int pf, long pfnext, const char *pfup) {
+                      long ldo, long ncols, int pf, long pfnext, const char *pfup, float *upst) {
     dk_vf acc[DK_PK_MRMAX][DK_PK_NV * DK_PK_VPP];
     const int nvec = nv * DK_PK_VPP;
     for (int i = 0; i < mr; i++)
@@ -112,12 +113,16 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             for (int v = 0; v < nvec; v++) {
                 memcpy(&u[v], p + (v / DK_PK_VPP) * pstride + q * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u[v]);
                 w[v] = (dk_vf)(u[v] << 16);
+                if (upst) dk_store(upst + 2 * q * DK_PK_COLS + v * DK_VW, w[v]);
             }
             for (int i = 0; i < mr; i++) {
                 dk_vf xe = (dk_vf){0} + xk[i * ldx];
                 for (int v = 0; v < nvec; v++) acc[i][v] += xe * w[v];
             }
-            for (int v = 0; v < nvec; v++) w[v] = (dk_vf)(u[v] & 0xFFFF0000u);
+            for (int v = 0; v < nvec; v++) {
+                w[v] = (dk_vf)(u[v] & 0xFFFF0000u);
+                if (upst) dk_store(upst + (2 * q + 1) * DK_PK_COLS + v * DK_VW, w[v]);
+            }
             for (int i = 0; i < mr; i++) {
                 dk_vf xo = (dk_vf){0} + xk[i * ldx + 1];
                 for (int v = 0; v < nvec; v++) acc[i][v] += xo * w[v];
@@ -129,6 +134,7 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
                 dk_vu u;
                 memcpy(&u, p + (v / DK_PK_VPP) * pstride + pairs * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u);
                 dk_vf w = (dk_vf)(u << 16);
+                if (upst) dk_store(upst + 2 * pairs * DK_PK_COLS + v * DK_VW, w);
                 for (int i = 0; i < mr; i++) acc[i][v] += ((dk_vf){0} + xk[i * ldx]) * w;
             }
         }
@@ -189,10 +195,10 @@ static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const flo
                            const void *P, long pstride, int first, const float *bias, float *out,
                            long ldo, long ncols, int pf, long pfnext, const char *pfup) {
 #define DK_PK_T(MR_, NV_) \
-    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup); \
-    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup);
+    if (bf16) dk_pk_tile(MR_, NV_, 1, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup, NULL); \
+    else dk_pk_tile(MR_, NV_, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup, NULL);
 #define DK_PK_T32(MR_) \
-    dk_pk_tile(MR_, 1, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup);
+    dk_pk_tile(MR_, 1, 0, k0, kc, x, ldx, P, pstride, first, bias, out, ldo, ncols, pf, pfnext, pfup, NULL);
 #if DK_PK_NV == 3
 #define DK_PK_NVS(MR_) \
     if (nv == 3) { DK_PK_T(MR_, 3) } else if (nv == 2) { DK_PK_T(MR_, 2) } else { DK_PK_T(MR_, 1) }
@@ -243,6 +249,7 @@ static void dk_pk_upcast(const uint16_t *p, long kc, float *buf) {
    rows if each gets at least 5, else 0 (the bf16 tile, DK_PK_MR rows at a time) */
 static inline long dk_pk_upcast_tiles(long M) {
 #if DK_PK_UPCAST
+    if (M < 5) return 0;
     long nt = (M + DK_PK_MR32 - 1) / DK_PK_MR32;
     return M / nt >= 5 ? nt : 0;
 #else
@@ -253,12 +260,18 @@ static inline long dk_pk_upcast_tiles(long M) {
 
 /* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
    [plo, phi) of P, DK_PK_NV at a time: for each K chunk, the group's chunk of panels stays in L1
-   while every DK_PK_MR-row tile of x passes it (or, upcast, the chunk's fp32 copy does). */
+   while every DK_PK_MR-row tile of x passes it (or, upcast, the chunk's fp32 copy does).
+   Upcast (avx2, see DK_PK_MR32): when the rows after the first DK_PK_MR split into fp32 tiles of
+   at least 5, the first DK_PK_MR rows run the bf16 tile, which stores the chunk's fp32 copy as it
+   goes (16 rows: 4 + 6 + 6); else, if all rows split so, the chunk is upcast on its own first
+   (6 rows: 6). The fused store overlaps the bf16 tile's FMAs; a separate upcast, bound by one
+   store a cycle, cost about an eighth of a 16-row chunk's FMA time. */
 static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
                       const void *P, const float *bias, float *out) {
     const long pstride = dk_pk_panel_elems(K, bf16), esz = bf16 ? 2 : 4;
 #if DK_PK_UPCAST
-    const long nt = bf16 ? dk_pk_upcast_tiles(M) : 0;
+    const long fz = bf16 && dk_pk_upcast_tiles(M - DK_PK_MR) ? DK_PK_MR : 0;  /* rows of the fused tile */
+    const long nt = bf16 ? dk_pk_upcast_tiles(M - fz) : 0;  /* fp32 tiles after it */
     float up[DK_PK_KC * DK_PK_COLS] __attribute__((aligned(64)));  /* 16 KiB */
 #endif
     for (long p0 = plo; p0 < phi; p0 += DK_PK_NV) {
@@ -268,24 +281,29 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
         for (long k0 = 0; k0 < K; k0 += DK_PK_KC) {
             long kc = K - k0 < DK_PK_KC ? K - k0 : DK_PK_KC;
             int first = k0 == 0, last = k0 + kc == K;
+            const float *cbias = last && bias ? bias + c0 : NULL;
 #if DK_PK_UPCAST
-            if (nt) {  /* one panel (nv = 1): its chunk upcast, then nt fp32 tiles; the first asks
-                          the next chunk (or the next panel's first; panels are contiguous) into L2 */
-                const char *next = last ? pg + pstride * esz : pg + (k0 + DK_PK_KC) * DK_PK_COLS * esz;
-                dk_pk_upcast((const uint16_t *)pg + k0 * DK_PK_COLS, kc, up);
-                for (long t = 0, i = 0, mr; i < M; i += mr, t++) {
-                    mr = M / nt + (t < M % nt);
-                    dk_pk_tile_any((int)mr, 1, 0, 0, kc, x + i * ldx + k0, ldx, up, 0, first,
-                                   last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, 0, 0,
-                                   t == 0 ? next : NULL);
+            if (nt) {  /* one panel (nv = 1); the bf16 reader asks the next chunk (or the next
+                          panel's first; panels are contiguous) into L2 */
+                long to_next = last ? pstride - k0 * DK_PK_COLS : DK_PK_KC * DK_PK_COLS;  /* elements */
+                if (fz)
+                    dk_pk_tile(DK_PK_MR, 1, 1, k0, kc, x, ldx, pg, pstride, first, cbias, out + c0, N, ncols,
+                               1, to_next, NULL, up);
+                else
+                    dk_pk_upcast((const uint16_t *)pg + k0 * DK_PK_COLS, kc, up);
+                for (long t = 0, i = fz, mr; i < M; i += mr, t++) {
+                    mr = (M - fz) / nt + (t < (M - fz) % nt);
+                    dk_pk_tile_any((int)mr, 1, 0, 0, kc, x + i * ldx + k0, ldx, up, 0, first, cbias,
+                                   out + i * N + c0, N, ncols, 0, 0,
+                                   t == 0 && !fz ? pg + (k0 * DK_PK_COLS + to_next) * esz : NULL);
                 }
                 continue;
             }
 #endif
             for (long i = 0; i < M; i += DK_PK_MR) {
                 int mr = M - i < DK_PK_MR ? (int)(M - i) : DK_PK_MR;
-                dk_pk_tile_any(mr, nv, bf16, k0, kc, x + i * ldx, ldx, pg, pstride, first,
-                               last && bias ? bias + c0 : NULL, out + i * N + c0, N, ncols, i == 0,
+                dk_pk_tile_any(mr, nv, bf16, k0, kc, x + i * ldx, ldx, pg, pstride, first, cbias,
+                               out + i * N + c0, N, ncols, i == 0,
                                dk_pk_next_chunk(M, i, last, nv, pstride, k0 * DK_PK_COLS, DK_PK_KC * DK_PK_COLS),
                                NULL);
             }
