@@ -56,6 +56,7 @@ cdef extern from "dk_bf16dot.h" nogil:
 
 cdef extern from "dk_packed.h" nogil:
     int DK_PK_NV, DK_PK_COLS
+    long dk_pk_group(long M)
     long dk_pk_panel_elems(long K, int bf16)
     void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, const float *x, long ldx,
                    const void *P, const float *bias, float *out)
@@ -450,7 +451,8 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     global _last_path
     cdef Py_ssize_t m, g
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    cdef Py_ssize_t ngroups = (npanels + DK_PK_NV - 1) // DK_PK_NV
+    cdef Py_ssize_t gp = dk_pk_group(M)  # panels per work item
+    cdef Py_ssize_t ngroups = (npanels + gp - 1) // gp
     _last_path = PATH_FMA_PACKED
     if K == 0:  # an empty sum: only the bias is left
         for m in range(M):
@@ -485,7 +487,7 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
         # static: a contiguous run of panels per thread (one stream per panel for the prefetchers);
         # each output is computed by one thread in a fixed order whatever the split
         for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
-            dk_pk_run(M, K, N, g * DK_PK_NV, min(npanels, (g + 1) * DK_PK_NV), bf16, xpad, ldx, wp, bp, op)
+            dk_pk_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), bf16, xpad, ldx, wp, bp, op)
     free(xpad)
     return 0
 

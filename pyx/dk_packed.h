@@ -66,6 +66,20 @@ rows come with it), and the bf16 and fp32 layouts sum identically. */
 #define DK_PK_UPCAST 0
 #endif
 #define DK_PK_MRMAX (DK_PK_MR32 > DK_PK_MR ? DK_PK_MR32 : DK_PK_MR)
+/* Panels per tile for M = 1 (a decode step's GEMV). One row over one avx2 panel has 2 accumulators,
+   each taking 2 dependent FMAs per k-pair: 10 cycles per 64-byte pair row, ~19 GB/s a core, which
+   bounds weights that sit in L2 / L3 (a small model's decode; from DRAM the bus bounds first). 4
+   panels give 8 independent chains. Each output still sums k in the same order, so the bits equal
+   those of any M. */
+#if DK_VW == 8
+#define DK_PK_GV 4
+#else
+#define DK_PK_GV DK_PK_NV
+#endif
+#define DK_PK_NVMAX (DK_PK_GV > DK_PK_NV ? DK_PK_GV : DK_PK_NV)
+
+/* Panels per work item (a thread's unit in linear_packed) for M rows */
+static inline long dk_pk_group(long M) { return M == 1 ? DK_PK_GV : DK_PK_NV; }
 #ifndef DK_PK_KC
 #define DK_PK_KC 256                   /* k per chunk: NV panels' chunk stays in L1 for every row tile */
 #endif
@@ -91,7 +105,7 @@ static inline long dk_pk_panel_elems(long K, int bf16) {
 DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long kc, const float *x,
                       long ldx, const void *P, long pstride, int first, const float *bias, float *out,
                       long ldo, long ncols, int pf, long pfnext, const char *pfup, float *upst) {
-    dk_vf acc[DK_PK_MRMAX][DK_PK_NV * DK_PK_VPP];
+    dk_vf acc[DK_PK_MRMAX][DK_PK_NVMAX * DK_PK_VPP];
     const int nvec = nv * DK_PK_VPP;
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
@@ -102,14 +116,26 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             const float *xk = x + k0 + 2 * q;
             /* even k for every row, then odd k: nvec weight vectors live at a time, not 2 nvec
                (8 x 3 tile: 24 accumulators + 3 + a broadcast fit the 32 zmm) */
-            dk_vu u[DK_PK_NV * DK_PK_VPP];
-            dk_vf w[DK_PK_NV * DK_PK_VPP];
+            dk_vu u[DK_PK_NVMAX * DK_PK_VPP];
+            dk_vf w[DK_PK_NVMAX * DK_PK_VPP];
             if (pf)
                 for (int v = 0; v < nvec; v += DK_PK_VPP)
                     __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + q * 32 + DK_PK_PF / 2, 0, 3);
             if (pfnext)
                 for (int v = 0; v < nvec; v += DK_PK_VPP)
                     __builtin_prefetch(p + (v / DK_PK_VPP) * pstride + q * 32 + pfnext, 0, 2);
+            if (mr == 1 && nv > DK_PK_NV) {  /* the GEMV tile: each weight vector used once, at once
+                                                (the same order per accumulator: even k, then odd) */
+                const dk_vf xe = (dk_vf){0} + xk[0], xo = (dk_vf){0} + xk[1];
+#pragma GCC unroll 8
+                for (int v = 0; v < nvec; v++) {
+                    dk_vu uv;
+                    memcpy(&uv, p + (v / DK_PK_VPP) * pstride + q * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof uv);
+                    acc[0][v] += xe * (dk_vf)(uv << 16);
+                    acc[0][v] += xo * (dk_vf)(uv & 0xFFFF0000u);
+                }
+                continue;
+            }
             for (int v = 0; v < nvec; v++) {
                 memcpy(&u[v], p + (v / DK_PK_VPP) * pstride + q * 32 + (v % DK_PK_VPP) * 2 * DK_VW, sizeof u[v]);
                 w[v] = (dk_vf)(u[v] << 16);
@@ -141,7 +167,8 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
     } else {
         const float *p = (const float *)P + k0 * DK_PK_COLS;
         for (long k = 0; k < kc; k++) {
-            dk_vf w[DK_PK_NV * DK_PK_VPP];
+            dk_vf w[DK_PK_NVMAX * DK_PK_VPP];
+#pragma GCC unroll 8
             for (int v = 0; v < nvec; v++)
                 w[v] = dk_load(p + (v / DK_PK_VPP) * pstride + k * DK_PK_COLS + (v % DK_PK_VPP) * DK_VW);
             if (pfnext)
@@ -150,6 +177,7 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             if (pfup) __builtin_prefetch(pfup + k * 2 * DK_PK_COLS, 0, 2);
             for (int i = 0; i < mr; i++) {
                 dk_vf xb = (dk_vf){0} + x[i * ldx + k0 + k];
+#pragma GCC unroll 8
                 for (int v = 0; v < nvec; v++) acc[i][v] += xb * w[v];
             }
         }
@@ -165,7 +193,7 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             }
         } else {  /* the last panel group, N % 16 != 0: element by element, through a buffer
                      (indexing acc at run time would move every accumulator out of registers) */
-            float t[DK_PK_NV * DK_PK_COLS];
+            float t[DK_PK_NVMAX * DK_PK_COLS];
             for (int v = 0; v < nvec; v++) dk_store(t + v * DK_VW, acc[i][v]);
             for (long j = 0; j < ncols; j++) {
                 float s = t[j];
@@ -204,6 +232,12 @@ static void dk_pk_tile_any(int mr, int nv, int bf16, long k0, long kc, const flo
     if (nv == 3) { DK_PK_T(MR_, 3) } else if (nv == 2) { DK_PK_T(MR_, 2) } else { DK_PK_T(MR_, 1) }
 #else
 #define DK_PK_NVS(MR_) DK_PK_T(MR_, 1)
+#endif
+#if DK_PK_GV > DK_PK_NV
+    if (mr == 1 && nv > DK_PK_NV) {  /* a GEMV over up to DK_PK_GV panels */
+        if (nv == 4) { DK_PK_T(1, 4) } else if (nv == 3) { DK_PK_T(1, 3) } else { DK_PK_T(1, 2) }
+        return;
+    }
 #endif
     switch (mr) {
     case 1: DK_PK_NVS(1) break;
@@ -259,7 +293,7 @@ static inline long dk_pk_upcast_tiles(long M) {
 }
 
 /* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
-   [plo, phi) of P, DK_PK_NV at a time: for each K chunk, the group's chunk of panels stays in L1
+   [plo, phi) of P, dk_pk_group(M) at a time: for each K chunk, the group's chunk of panels stays in L1
    while every DK_PK_MR-row tile of x passes it (or, upcast, the chunk's fp32 copy does).
    Upcast (avx2, see DK_PK_MR32): when the rows after the first DK_PK_MR split into fp32 tiles of
    at least 5, the first DK_PK_MR rows run the bf16 tile, which stores the chunk's fp32 copy as it
@@ -274,8 +308,9 @@ static void dk_pk_run(long M, long K, long N, long plo, long phi, int bf16, cons
     const long nt = bf16 ? dk_pk_upcast_tiles(M - fz) : 0;  /* fp32 tiles after it */
     float up[DK_PK_KC * DK_PK_COLS] __attribute__((aligned(64)));  /* 16 KiB */
 #endif
-    for (long p0 = plo; p0 < phi; p0 += DK_PK_NV) {
-        int nv = phi - p0 < DK_PK_NV ? (int)(phi - p0) : DK_PK_NV;
+    const long gp = dk_pk_group(M);
+    for (long p0 = plo; p0 < phi; p0 += gp) {
+        int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
         long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
         const char *pg = (const char *)P + p0 * pstride * esz;
         for (long k0 = 0; k0 < K; k0 += DK_PK_KC) {
