@@ -5,9 +5,9 @@ noisy machine, where runs of `dflash bench` one after the other differ by more t
     python bench/auto_ab.py /tmp/adaptive_old.py --model stdlib --n-prompts 8 --repeats 2
 
 One Engine of a shipped pair; per prompt, an autoregressive run, then "auto" with the other version's
-AutoK, then with this checkout's, so the machine's noise hits all three alike. The Engine's round
-cost (RoundCost) is shared, as it is between requests. Prints tokens/s of each and the ratio to
-autoregressive decoding.
+AutoK, then with this checkout's (then any --fixed k), so the machine's noise hits all three alike. Each version keeps
+its own RoundCost across the prompts, as an Engine does between requests. Prints tokens/s of each
+and the ratio to autoregressive decoding.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fixed", default="", help="comma-separated fixed k to run alongside (e.g. 4,8)")
     args = ap.parse_args(argv)
 
     from dflash_kernels.model import adaptive, engine
@@ -37,13 +38,17 @@ def main(argv=None) -> int:
     eng = load_default(args.model, n_threads=args.threads)
     prompts = load_prompts(None, args.n_prompts, eng)
     eng.generate(prompts[0], 8, num_speculative_tokens="auto")  # warm-up
-    totals = {name: [0, 0.0] for name in ("autoregressive", "other", "this")}
+    fixed = {f"k={k}": int(k) for k in args.fixed.split(",") if k}
+    modes = {"autoregressive": 0, "other": "auto", "this": "auto", **fixed}
+    totals = {name: [0, 0.0] for name in modes}
+    k_max = eng.default_num_speculative_tokens
+    costs = {name: (other if name == "other" else adaptive).RoundCost(k_max) for name in modes}
     for _ in range(args.repeats):
         for p in prompts:
             for name in totals:
                 engine.AutoK = other.AutoK if name == "other" else adaptive.AutoK
-                k = 0 if name == "autoregressive" else "auto"
-                res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=k)
+                eng.round_cost = costs[name]
+                res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=modes[name])
                 totals[name][0] += len(res.token_ids)
                 totals[name][1] += res.metrics.total_s
     engine.AutoK = adaptive.AutoK

@@ -9,12 +9,13 @@ Both are estimated online from the rounds the engine runs anyway:
 - ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
   drafts, shrunk toward the prior PRIOR_ACCEPT ** j.
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
-  lower envelope of the times of the rounds run at each k, greedy rounds of a fixed k included,
-  interpolated between them and the autoregressive step (a least-squares line, tried first,
-  extrapolated its early noisy points to k = 15 at 1.4x the real cost).
+  fastest recent round run at each k, greedy rounds of a fixed k included, interpolated between
+  them and the autoregressive step (a least-squares line, tried first, extrapolated its early
+  noisy points to k = 15 at 1.4x the real cost).
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
-first, then one AR step; after that it takes the best k, with probes out of long autoregressive
-stretches (``AutoK``).
+first, then AR steps; after that it takes the best k, with probes out of long autoregressive
+stretches (``AutoK``). A later request starts where the Engine's last one ended (its k and its
+probe schedule), not with the longest k again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ PRIOR_WEIGHT = 2.0  # pseudo-rounds behind the prior
 DECAY = 0.97  # per drafting round: about the last 30 drafting rounds carry the estimate
 PROBE_EVERY = 8  # autoregressive steps in a row before one drafting round is tried anyway
 PROBE_MAX = 128  # the interval doubles after each probe that changes nothing, up to this
+WINDOW = 8  # rounds per k behind its cost estimate
+AR_TIMINGS = 3  # autoregressive steps timed before auto weighs k against them
 
 
 class AcceptanceEstimate:
@@ -45,6 +48,7 @@ class AcceptanceEstimate:
         self.decay = decay
         self.hits = np.zeros(k_max)
         self.trials = np.zeros(k_max)
+        self._expected = None  # expected_list()'s cache
 
     @property
     def survival(self) -> np.ndarray:
@@ -55,6 +59,7 @@ class AcceptanceEstimate:
         says nothing about acceptance and changes nothing."""
         if k <= 0:
             return
+        self._expected = None
         self.hits *= self.decay
         self.trials *= self.decay
         self.trials[:k] += 1.0
@@ -65,14 +70,27 @@ class AcceptanceEstimate:
         s = self.survival if survival is None else survival
         return np.concatenate(([1.0], 1.0 + np.cumsum(s)))
 
+    def expected_list(self) -> list[float]:
+        """expected_tokens() as a list, kept until the next drafting round changes it (an AR step
+        does not: the chooser reads it every step)."""
+        if self._expected is None:
+            self._expected = self.expected_tokens().tolist()
+        return self._expected
+
 
 class RoundCost:
-    """C(k) seconds per round on this machine, per k actually run (0 = an AR step).
+    """C(k) seconds per round on this machine, per k actually run (0 = an AR step): the fastest of
+    the last WINDOW rounds run at that k.
 
     Timing on a shared machine only ever adds time (a descheduled thread, a cold cache, the first
-    call's set-up), so the estimate follows the lower envelope of the observations: a faster round
-    pulls it halfway down at once, a slower one a tenth of the way up (and counts as at most twice
-    the estimate). A decayed mean kept the first, cold round's time for dozens of rounds.
+    call's set-up), so the floor of the recent rounds is the round's own cost; the window lets it
+    rise when the machine really gets slower. Two estimators before it kept a cold first time too
+    long: a decayed mean (for dozens of rounds), then a lower envelope (a faster round pulled it
+    halfway down, a slower one a tenth of the way up). On the stdlib pair the first AR step, timed
+    right after a drafting round at about twice its steady time, kept the AR step dear under the
+    envelope: auto drafted where AR steps paid more, and took none of the AR steps that would
+    have corrected the price (bench/auto_ab.py, AMD Zen 2, session 12). The AR step is priced
+    only after AR_TIMINGS steps.
 
     A k not run yet costs the line between its nearest neighbours run, the autoregressive step
     (k = 0) counting as one (flat above the largest k). Below the smallest k run that is
@@ -84,30 +102,58 @@ class RoundCost:
 
     def __init__(self, k_max: int = 64):
         self.est = np.full(k_max + 1, np.nan)
+        self._recent = [[] for _ in range(k_max + 1)]  # the last WINDOW seconds per k
+        self._costs = None  # costs()'s, until an estimate changes
+        # where the Engine's last "auto" request left its choice: the next request starts there
+        # (AutoK): its k, its probe interval and its autoregressive steps since the last probe
+        self.last_k: int | None = None
+        self.probe_interval = PROBE_EVERY
+        self.ar_run = 0
 
     def observe(self, k: int, seconds: float) -> None:
         if not (seconds > 0 and np.isfinite(seconds)) or not 0 <= k < len(self.est):
             return
-        e = self.est[k]
-        if not e == e:  # first time
-            self.est[k] = seconds
-        elif seconds < e:
-            self.est[k] = 0.5 * (e + seconds)
-        else:
-            self.est[k] = e + 0.1 * (min(seconds, 2.0 * e) - e)
+        recent = self._recent[k]
+        recent.append(seconds)
+        if len(recent) > WINDOW:
+            del recent[0]
+        low = min(recent)
+        if low != self.est[k]:
+            self.est[k] = low
+            self._costs = None
 
     @property
     def ar_timed(self) -> bool:
-        return bool(self.est[0] == self.est[0])
+        """Enough autoregressive steps timed to price one: AR_TIMINGS. The first after a drafting
+        round runs on caches the round filled (about twice the steady time on the stdlib pair);
+        priced at that one step, drafting looked better than it was, and auto never took the
+        autoregressive step that would have corrected it."""
+        return len(self._recent[0]) >= AR_TIMINGS
 
     @property
     def draft_timed(self) -> bool:
         return bool(np.isfinite(self.est[1:]).any())
 
-    def costs(self, k_max: int) -> np.ndarray:
-        """C(k) for k = 0..k_max (needs an AR step and a drafting round timed)."""
-        seen = np.flatnonzero(np.isfinite(self.est[: k_max + 1]))  # 0 (the AR step) among them
-        return np.interp(np.arange(k_max + 1), seen, self.est[seen])  # flat above the largest k
+    def costs(self, k_max: int) -> list[float]:
+        """C(k) for k = 0..k_max (needs an AR step and a drafting round timed). Plain floats: the
+        chooser reads them every step, and on 16 entries numpy's per-call cost (np.interp and
+        friends, ~15 us a step) was 3% of an AR step of the stdlib pair."""
+        if self._costs is not None and len(self._costs) == k_max + 1:
+            return self._costs  # no estimate changed since
+        est = self.est[: k_max + 1].tolist()
+        seen = [k for k, e in enumerate(est) if e == e]  # 0 (the AR step) among them
+        out, j = [], 0
+        for k in range(k_max + 1):
+            while j + 1 < len(seen) and seen[j + 1] <= k:
+                j += 1
+            a = seen[j]
+            if k == a or j + 1 == len(seen):  # run, or above the largest k run: flat
+                out.append(est[a])
+            else:  # the line between the neighbours run
+                b = seen[j + 1]
+                out.append(est[a] + (k - a) / (b - a) * (est[b] - est[a]))
+        self._costs = out
+        return out
 
 
 class AutoK:
@@ -125,31 +171,39 @@ class AutoK:
     def __init__(self, k_max: int, cost: RoundCost, prior=None):
         self.k_max, self.cost = k_max, cost
         self.acceptance = AcceptanceEstimate(k_max, prior)
-        self.ar_run = 0
+        # the Engine's last request left these (RoundCost): where drafts did not pay there, a
+        # request starts without drafting and probes as rarely as the last one did
+        self.ar_run = cost.ar_run
+        self.interval = cost.probe_interval
         self.rounds = 0
-        self.interval = PROBE_EVERY
         self.probing = False
 
     def choose(self) -> int:
         self.rounds += 1
-        if self.rounds == 1 or not self.cost.draft_timed:
-            # a request starts with the longest k: it shows this request's acceptance at every
-            # position and keeps C(k_max) current (the lower envelope only learns from rounds run)
+        if not self.cost.draft_timed or (self.rounds == 1 and self.cost.last_k is None):
+            # the Engine's first request starts with the longest k: it shows the acceptance at
+            # every position and times C(k_max)
             return self.k_max
         if not self.cost.ar_timed:
-            return 0  # one autoregressive step, to know what a round must beat
-        rate = self.acceptance.expected_tokens() / self.cost.costs(self.k_max)
-        k = int(np.argmax(rate))
-        if self.probing:  # the round after a probe: did it change the decision?
-            self.probing = False
-            self.interval = PROBE_EVERY if k > 0 else min(2 * self.interval, PROBE_MAX)
+            return 0  # autoregressive steps, to know what a round must beat
+        expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
+        rate = [e / c for e, c in zip(expected, costs)]
+        if self.rounds == 1:  # later requests start where the last one ended
+            k = min(self.cost.last_k, self.k_max)
+        else:
+            k = max(range(len(rate)), key=rate.__getitem__)  # the first of equal rates, as np.argmax
+            if self.probing:  # the round after a probe: did it change the decision?
+                self.probing = False
+                self.interval = PROBE_EVERY if k > 0 else min(2 * self.interval, PROBE_MAX)
+        self.cost.last_k = k
         if k == 0:
             self.ar_run += 1
             if self.ar_run >= self.interval:
                 self.ar_run, self.probing = 0, True
-                k = 1 + int(np.argmax(rate[1:]))
+                k = max(range(1, len(rate)), key=rate.__getitem__)
         else:
             self.ar_run = 0
+        self.cost.probe_interval, self.cost.ar_run = self.interval, self.ar_run
         return k
 
     def observe(self, k: int, accepted: int, seconds: float) -> None:

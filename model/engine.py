@@ -64,9 +64,10 @@ class Engine:
         self.chat_template = None  # the target's Jinja chat template (None: ChatML), set by load()
         self._cache = None
         self._ctx = None
-        # num_speculative_tokens="auto": the round cost on this machine, kept across calls
-        # (model/adaptive.py). Acceptance is learnt per request: a prior carried over from the last
-        # request starved the deep positions of trials (k settled at 3 where 15 paid best).
+        # num_speculative_tokens="auto": the round cost on this machine and where the last request's
+        # choice ended, kept across calls (model/adaptive.py). Acceptance is learnt per request: a
+        # prior carried over from the last request starved the deep positions of trials (k settled
+        # at 3 where 15 paid best).
         self.round_cost = RoundCost(self.default_num_speculative_tokens)
         self._tuned_k = None  # default_speculative_tokens(), looked up on first use
         # generate() is not re-entrant: the caches and the decoding state are the Engine's own

@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from dflash_kernels.model.adaptive import (
+    AR_TIMINGS,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
     PROBE_EVERY,
+    WINDOW,
     AcceptanceEstimate,
     AutoK,
     RoundCost,
@@ -38,27 +40,36 @@ def test_acceptance_decays_and_expected_tokens():
         AcceptanceEstimate(3, prior=[0.5, 0.5])
 
 
-def test_round_cost_follows_the_lower_envelope():
+def test_round_cost_is_the_fastest_recent_round():
     c = RoundCost(8)
     assert not c.draft_timed and not c.ar_timed
-    c.observe(4, 1.0)
-    c.observe(4, 0.5)  # faster: halfway down at once
-    assert c.est[4] == 0.75
-    c.observe(4, 100.0)  # a descheduled thread: counts as twice the estimate, a tenth of the way
-    assert np.isclose(c.est[4], 0.75 + 0.1 * 0.75)
+    c.observe(4, 0.5)
+    c.observe(4, 100.0)  # a descheduled thread: timing noise only adds time
+    assert c.est[4] == 0.5
+    for _ in range(WINDOW - 2):
+        c.observe(4, 0.9)
+    assert c.est[4] == 0.5  # still in the window
+    c.observe(4, 0.9)
+    assert c.est[4] == 0.9  # the machine got slower: the fast round left the window
     c.observe(8, 2.0)
-    c.observe(0, 0.5)
+    c.observe(0, 1.0)  # the first step after a drafting round: cold caches
+    assert not c.ar_timed  # one step does not price the autoregressive step
+    for _ in range(AR_TIMINGS - 1):
+        c.observe(0, 0.5)
     assert c.ar_timed and c.draft_timed
     cost = c.costs(8)
-    assert cost[0] == 0.5 and cost[4] == c.est[4] and cost[8] == 2.0
-    assert np.isclose(cost[6], (c.est[4] + 2.0) / 2)  # linear between the k run
-    assert np.isclose(cost[2], (0.5 + c.est[4]) / 2)  # below the smallest k: towards the AR step
+    assert cost[0] == 0.5 and cost[4] == 0.9 and cost[8] == 2.0
+    assert np.isclose(cost[6], (0.9 + 2.0) / 2)  # linear between the k run
+    assert np.isclose(cost[2], (0.5 + 0.9) / 2)  # below the smallest k: towards the AR step
     assert c.costs(10)[10] == 2.0  # flat above the largest k
+    c.observe(6, 1.0)
+    assert c.costs(8)[6] == 1.0  # a new estimate is seen at once (costs() caches between changes)
 
 
 def _cost(ar, draft, k_max=15):
     c = RoundCost(k_max)
-    c.observe(0, ar)
+    for _ in range(AR_TIMINGS):
+        c.observe(0, ar)
     c.observe(k_max, draft)
     return c
 
@@ -72,8 +83,9 @@ def test_autok_explores_then_picks_the_best_rate():
     assert not cost.draft_timed
     assert chooser.choose() == k_max  # still no drafting round timed
     chooser.observe(k_max, 15, 3.0)
-    assert chooser.choose() == 0  # then one autoregressive step, to know what a round must beat
-    chooser.observe(0, 0, 1.0)
+    for _ in range(AR_TIMINGS):  # then autoregressive steps, to know what a round must beat
+        assert chooser.choose() == 0
+        chooser.observe(0, 0, 1.0)
     for _ in range(40):  # every draft accepted: E(15) ~ 16 tokens for 3x an AR step
         chooser.observe(k_max, k_max, 3.0)
     assert chooser.choose() == k_max
@@ -97,7 +109,8 @@ def test_autok_prefers_short_k_when_deep_positions_fail():
     k_max = 15
     cost = RoundCost(k_max)
     for k in range(k_max + 1):
-        cost.observe(k, 1.0 + 0.2 * k)  # every k timed: rounds grow with k
+        for _ in range(AR_TIMINGS if k == 0 else 1):
+            cost.observe(k, 1.0 + 0.2 * k)  # every k timed: rounds grow with k
     chooser = AutoK(k_max, cost)
     chooser.choose()
     for _ in range(80):  # the first two drafts always accepted, the third never
@@ -121,3 +134,23 @@ def test_autok_tries_a_short_k_when_the_longest_does_not_pay():
         chooser.observe(k, min(k, 2), 1.5)
         k = chooser.choose()
     assert k == 2
+
+
+def test_a_request_starts_where_the_last_one_ended():
+    """The Engine's RoundCost carries the last request's k and probe schedule: where drafts did not
+    pay, the next request starts with autoregressive steps and probes no more often than the last
+    one did (on the stdlib pair, a k = 15 round at every request's start cost 7 AR steps)."""
+    k_max = 15
+    cost = _cost(1.0, 3.0)
+    first = AutoK(k_max, cost)
+    assert first.choose() == k_max  # the Engine's first request: the longest k
+    for _ in range(60):  # nothing accepted: autoregressive steps, probes further and further apart
+        first.observe(k_max, 0, 3.0)
+    picks = [first.choose() for _ in range(3 * PROBE_EVERY)]
+    assert picks.count(0) >= 3 * PROBE_EVERY - 2 and first.interval > PROBE_EVERY
+    second = AutoK(k_max, cost)
+    assert second.choose() == 0 and second.interval == first.interval
+    cost.last_k = 4
+    assert AutoK(k_max, cost).choose() == 4
+    cost.last_k = 40
+    assert AutoK(k_max, cost).choose() == k_max  # never more than this request allows
