@@ -187,7 +187,7 @@ class AutoK:
         if not self.cost.ar_timed:
             return 0  # autoregressive steps, to know what a round must beat
         expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
-        rate = [e / c for e, c in zip(expected, costs)]
+        rate = [e / c for e, c in zip(expected, costs, strict=True)]
         if self.rounds == 1:  # later requests start where the last one ended
             k = min(self.cost.last_k, self.k_max)
         else:
