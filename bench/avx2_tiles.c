@@ -6,6 +6,8 @@
    - peak: 12 independent FMA chains (a register-only loop, as dense.peak_gflops);
    - 4x16 bf16: the bf16 pair-word tile (8 accumulators; even k by << 16, odd k by & 0xFFFF0000);
    - 6x16 fp32: the tile over an upcast chunk (12 accumulators);
+   - 6x16 fp32 + next upcast: the fp32 tile also upcasting the next chunk (double buffering),
+     the alternative to the fused bf16 tile; the upcast ops take FMA slots;
    - MRx16 bf16, stores: the fused upcast's bf16 tile, which also stores the fp32 weights for the
      fp32 tiles of the other rows (4 rows in dk_packed.h; 6 rows spill and run slowest of all; 5 rows
      run faster here, but 16 rows as 5 + 6 + 5 against 4 + 6 + 6 took 0.96-1.08x the time in
@@ -118,6 +120,36 @@ TILE_BF16_MEM(tile_bf16m_4s, 4, 1)
 TILE_BF16_MEM(tile_bf16m_5s, 5, 1)
 TILE_BF16_MEM(tile_bf16m_6s, 6, 1)
 
+static float UP2[KC * 16] __attribute__((aligned(64)));
+/* 6x16 fp32 tile that also upcasts the next chunk's bf16 pair words into UP2 (double buffer) */
+__attribute__((noinline)) static void tile_fp32_6_up(int reps) {
+    const __m256i mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int r = 0; r < reps; r++) {
+        __m256 a[6][2];
+        for (int i = 0; i < 6; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int q = 0; q < KC / 2; q++) {
+            const __m256i *p = (const __m256i *)(WB + q * 16);
+            __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(p), 16));
+            __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(p + 1), 16));
+            _mm256_store_ps(UP2 + 2 * q * 16, e0); _mm256_store_ps(UP2 + 2 * q * 16 + 8, e1);
+            __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(mask, _mm256_load_si256(p)));
+            __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(mask, _mm256_load_si256(p + 1)));
+            _mm256_store_ps(UP2 + (2 * q + 1) * 16, o0); _mm256_store_ps(UP2 + (2 * q + 1) * 16 + 8, o1);
+            for (int kk = 2 * q; kk < 2 * q + 2; kk++) {
+                __m256 w0 = _mm256_load_ps(W + kk * 16), w1 = _mm256_load_ps(W + kk * 16 + 8);
+                for (int i = 0; i < 6; i++) {
+                    __m256 x = _mm256_broadcast_ss(X + i * LDX + kk);
+                    a[i][0] = _mm256_fmadd_ps(x, w0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(x, w1, a[i][1]);
+                }
+            }
+        }
+        for (int i = 0; i < 6; i++) {
+            _mm256_storeu_ps(OUT + i * 16, a[i][0]);
+            _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);
+        }
+    }
+}
 __attribute__((noinline)) static void peak(int reps) {
     __m256 a[12], b = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(0.0001f);
     for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps(i * 0.001f);
@@ -148,6 +180,7 @@ int main(void) {
     NAME(reps);                                                                                 \
     gf = MR * 16.0 * 2 * KC * reps / (now() - t) / 1e9;                                         \
     printf("%-26s%6.1f GFLOP/s (%3.0f%% of peak)\n", LABEL, gf, 100 * gf / gf_peak);
+    RUN(tile_fp32_6_up, 6, "6x16 fp32 + next upcast")
     RUN(tile_bf16m_4s, 4, "4x16 bf16, stores")
     RUN(tile_bf16m_5s, 5, "5x16 bf16, stores")
     RUN(tile_bf16m_6s, 6, "6x16 bf16, stores")

@@ -135,9 +135,9 @@ class RoundCost:
         return bool(np.isfinite(self.est[1:]).any())
 
     def costs(self, k_max: int) -> list[float]:
-        """C(k) for k = 0..k_max (needs an AR step and a drafting round timed). Plain floats: the
-        chooser reads them every step, and on 16 entries numpy's per-call cost (np.interp and
-        friends, ~15 us a step) was 3% of an AR step of the stdlib pair."""
+        """C(k) for k = 0..k_max (needs an AR step and a drafting round timed). Plain floats, cached
+        until an estimate changes: the chooser reads them every step, and on 16 entries numpy's
+        per-call cost (np.interp and friends) dominated."""
         if self._costs is not None and len(self._costs) == k_max + 1:
             return self._costs  # no estimate changed since
         est = self.est[: k_max + 1].tolist()
