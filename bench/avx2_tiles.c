@@ -31,22 +31,31 @@ static unsigned int WB[KC / 2 * 16] __attribute__((aligned(64))); /* the same as
 static float X[6 * LDX] __attribute__((aligned(64)));
 static float OUT[12 * 16];
 
+/* one k of the 6 x 16 fp32 tile, and a tile's accumulators to OUT */
+static inline __attribute__((always_inline)) void fp32_k6(__m256 a[6][2], int k) {
+    __m256 w0 = _mm256_load_ps(W + k * 16), w1 = _mm256_load_ps(W + k * 16 + 8);
+    for (int i = 0; i < 6; i++) {
+        __m256 x = _mm256_broadcast_ss(X + i * LDX + k);
+        a[i][0] = _mm256_fmadd_ps(x, w0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(x, w1, a[i][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_rows(__m256 a[][2], int rows) {
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_ps(OUT + i * 16, a[i][0]);
+        _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);
+    }
+}
+
 __attribute__((noinline)) static void tile_fp32_6(int reps) {
     for (int r = 0; r < reps; r++) {
         __m256 a[6][2];
         for (int i = 0; i < 6; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
         for (int k = 0; k < KC; k++) {
-            __m256 w0 = _mm256_load_ps(W + k * 16), w1 = _mm256_load_ps(W + k * 16 + 8);
-            for (int i = 0; i < 6; i++) {
-                __m256 x = _mm256_broadcast_ss(X + i * LDX + k);
-                a[i][0] = _mm256_fmadd_ps(x, w0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(x, w1, a[i][1]);
-            }
+            fp32_k6(a, k);
         }
-        for (int i = 0; i < 6; i++) {
-            _mm256_storeu_ps(OUT + i * 16, a[i][0]);
-            _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);
-        }
+        store_rows(a, 6);
     }
 }
 
@@ -73,10 +82,7 @@ __attribute__((noinline)) static void tile_bf16_4(int reps) {
                 a[i][1] = _mm256_fmadd_ps(x, o1, a[i][1]);
             }
         }
-        for (int i = 0; i < 4; i++) {
-            _mm256_storeu_ps(OUT + i * 16, a[i][0]);
-            _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);
-        }
+        store_rows(a, 4);
     }
 }
 
@@ -109,10 +115,7 @@ __attribute__((noinline)) static void NAME(int reps) {                          
                 a[i][1] = _mm256_fmadd_ps(x, o1, a[i][1]);                                          \
             }                                                                                       \
         }                                                                                           \
-        for (int i = 0; i < MR; i++) {                                                              \
-            _mm256_storeu_ps(OUT + i * 16, a[i][0]);                                                \
-            _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);                                            \
-        }                                                                                           \
+        store_rows(a, MR);                                                                          \
     }                                                                                               \
 }
 static float UP[KC * 16] __attribute__((aligned(64)));
@@ -135,19 +138,9 @@ __attribute__((noinline)) static void tile_fp32_6_up(int reps) {
             __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(mask, _mm256_load_si256(p)));
             __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(mask, _mm256_load_si256(p + 1)));
             _mm256_store_ps(UP2 + (2 * q + 1) * 16, o0); _mm256_store_ps(UP2 + (2 * q + 1) * 16 + 8, o1);
-            for (int kk = 2 * q; kk < 2 * q + 2; kk++) {
-                __m256 w0 = _mm256_load_ps(W + kk * 16), w1 = _mm256_load_ps(W + kk * 16 + 8);
-                for (int i = 0; i < 6; i++) {
-                    __m256 x = _mm256_broadcast_ss(X + i * LDX + kk);
-                    a[i][0] = _mm256_fmadd_ps(x, w0, a[i][0]);
-                    a[i][1] = _mm256_fmadd_ps(x, w1, a[i][1]);
-                }
-            }
+            for (int kk = 2 * q; kk < 2 * q + 2; kk++) fp32_k6(a, kk);
         }
-        for (int i = 0; i < 6; i++) {
-            _mm256_storeu_ps(OUT + i * 16, a[i][0]);
-            _mm256_storeu_ps(OUT + i * 16 + 8, a[i][1]);
-        }
+        store_rows(a, 6);
     }
 }
 __attribute__((noinline)) static void peak(int reps) {
