@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     fixed = {f"k={k}": int(k) for k in args.fixed.split(",") if k}
     modes = {"autoregressive": 0, "other": "auto", "this": "auto", **fixed}
     totals = {name: [0, 0.0] for name in modes}
+    k_hist = {name: {} for name in modes}  # rounds per k chosen
     k_max = eng.default_num_speculative_tokens
     costs = {name: (other if name == "other" else adaptive).RoundCost(k_max) for name in modes}
     for _ in range(args.repeats):
@@ -51,10 +52,13 @@ def main(argv=None) -> int:
                 res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=modes[name])
                 totals[name][0] += len(res.token_ids)
                 totals[name][1] += res.metrics.total_s
+                for kk, n in res.metrics.k_histogram.items():
+                    k_hist[name][kk] = k_hist[name].get(kk, 0) + n
     engine.AutoK = adaptive.AutoK
     ar = totals["autoregressive"][0] / totals["autoregressive"][1]
     for name, (tokens, seconds) in totals.items():
-        print(f"{name}: {tokens / seconds:.1f} tokens/s, {tokens / seconds / ar:.3f}x autoregressive")
+        hist = "" if modes[name] != "auto" else f"  rounds per k {dict(sorted(k_hist[name].items()))}"
+        print(f"{name}: {tokens / seconds:.1f} tokens/s, {tokens / seconds / ar:.3f}x autoregressive{hist}")
     return 0
 
 

@@ -20,6 +20,8 @@ probe schedule), not with the longest k again.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 PRIOR_ACCEPT = 0.8  # optimistic: unexplored positions look worth a try
@@ -104,14 +106,18 @@ class RoundCost:
         self.est = np.full(k_max + 1, np.nan)
         self._recent = [[] for _ in range(k_max + 1)]  # the last WINDOW seconds per k
         self._costs = None  # costs()'s, until an estimate changes
+        self.draft_timed = False  # a drafting round (k >= 1) timed
         # where the Engine's last "auto" request left its choice: the next request starts there
         # (AutoK): its k, its probe interval and its autoregressive steps since the last probe
         self.last_k: int | None = None
         self.probe_interval = PROBE_EVERY
         self.ar_run = 0
+        # and the acceptance it had learnt: the next request's prior (prompts differ, but less than
+        # the optimistic PRIOR_ACCEPT ** j differs from a drafter that rarely pays)
+        self.last_survival: np.ndarray | None = None
 
     def observe(self, k: int, seconds: float) -> None:
-        if not (seconds > 0 and np.isfinite(seconds)) or not 0 <= k < len(self.est):
+        if not (seconds > 0 and math.isfinite(seconds)) or not 0 <= k < len(self.est):
             return
         recent = self._recent[k]
         recent.append(seconds)
@@ -121,6 +127,7 @@ class RoundCost:
         if low != self.est[k]:
             self.est[k] = low
             self._costs = None
+            self.draft_timed = self.draft_timed or k > 0
 
     @property
     def ar_timed(self) -> bool:
@@ -129,10 +136,6 @@ class RoundCost:
         priced at that one step, drafting looked better than it was, and auto never took the
         autoregressive step that would have corrected it."""
         return len(self._recent[0]) >= AR_TIMINGS
-
-    @property
-    def draft_timed(self) -> bool:
-        return bool(np.isfinite(self.est[1:]).any())
 
     def costs(self, k_max: int) -> list[float]:
         """C(k) for k = 0..k_max (needs an AR step and a drafting round timed). Plain floats, cached
@@ -170,6 +173,8 @@ class AutoK:
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None):
         self.k_max, self.cost = k_max, cost
+        if prior is None and cost.last_survival is not None and len(cost.last_survival) >= k_max:
+            prior = cost.last_survival[:k_max]
         self.acceptance = AcceptanceEstimate(k_max, prior)
         # the Engine's last request left these (RoundCost): where drafts did not pay there, a
         # request starts without drafting and probes as rarely as the last one did
@@ -177,6 +182,7 @@ class AutoK:
         self.interval = cost.probe_interval
         self.rounds = 0
         self.probing = False
+        self._inputs, self._choice = (None, None), (0, 0)  # _best()'s cache
 
     def choose(self) -> int:
         self.rounds += 1
@@ -186,12 +192,11 @@ class AutoK:
             return self.k_max
         if not self.cost.ar_timed:
             return 0  # autoregressive steps, to know what a round must beat
-        expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
-        rate = [e / c for e, c in zip(expected, costs, strict=True)]
+        best, best_drafting = self._best()
         if self.rounds == 1:  # later requests start where the last one ended
             k = min(self.cost.last_k, self.k_max)
         else:
-            k = max(range(len(rate)), key=rate.__getitem__)  # the first of equal rates, as np.argmax
+            k = best
             if self.probing:  # the round after a probe: did it change the decision?
                 self.probing = False
                 self.interval = PROBE_EVERY if k > 0 else min(2 * self.interval, PROBE_MAX)
@@ -200,13 +205,26 @@ class AutoK:
             self.ar_run += 1
             if self.ar_run >= self.interval:
                 self.ar_run, self.probing = 0, True
-                k = max(range(1, len(rate)), key=rate.__getitem__)
+                k = best_drafting
         else:
             self.ar_run = 0
         self.cost.probe_interval, self.cost.ar_run = self.interval, self.ar_run
         return k
 
+    def _best(self) -> tuple[int, int]:
+        """(argmax over k >= 0, argmax over k >= 1) of E(k) / C(k), the first of equal rates as
+        np.argmax. Recomputed only when an estimate changed: both inputs are lists cached by their
+        owners until then, and most steps (autoregressive ones) change neither."""
+        expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
+        if expected is not self._inputs[0] or costs is not self._inputs[1]:
+            rate = [e / c for e, c in zip(expected, costs, strict=True)]
+            drafting = max(range(1, len(rate)), key=rate.__getitem__)
+            self._inputs, self._choice = (expected, costs), (0 if rate[0] >= rate[drafting] else drafting, drafting)
+        return self._choice
+
     def observe(self, k: int, accepted: int, seconds: float) -> None:
         self.acceptance.observe(k, accepted)
+        if k > 0:  # what the next request starts from
+            self.cost.last_survival = self.acceptance.survival
         if self.rounds > 1:  # the first round after a prefill runs on cold caches: not a cost of k
             self.cost.observe(k, seconds)

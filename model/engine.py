@@ -340,13 +340,33 @@ class _Run:
         use_draft = k > 0
         # acceptance is learnt afresh per request (the prompt decides it); the cost is the Engine's
         chooser = AutoK(k, self.eng.round_cost) if auto else None
-        pending = []  # taps of autoregressive steps not yet in the drafter's context (auto)
         cache, ctx = self.eng._caches()
+        # auto: taps not yet in the drafter's context (the prompt's, then those of autoregressive
+        # steps), added in one GEMM when a round drafts; a request that never drafts never pays
+        # for them. Bounded: past a prefill chunk of rows they go in at once.
+        pending, pending_rows = [], 0
+
+        def defer(taps):
+            nonlocal pending_rows
+            pending.append(taps)
+            pending_rows += taps.shape[0]
+            if pending_rows >= target.prefill_chunk:
+                flush()
+
+        def flush():
+            nonlocal pending_rows
+            if pending:
+                drafter.add_context(pending[0] if len(pending) == 1 else np.concatenate(pending), ctx)
+                pending.clear()
+                pending_rows = 0
+
         t_start = perf_counter()
         ops.adapt_threads()
-        # prefill; the drafter's context K/V for the prompt is built chunk by chunk
-        hidden, _ = target.forward(ids, cache, last_only=True, taps=use_draft,
-                                   on_taps=(lambda t: drafter.add_context(t, ctx)) if use_draft else None)
+        # prefill; the drafter's context K/V for the prompt is built chunk by chunk (auto: deferred)
+        on_taps = None
+        if use_draft:
+            on_taps = defer if auto else (lambda t: drafter.add_context(t, ctx))
+        hidden, _ = target.forward(ids, cache, last_only=True, taps=use_draft, on_taps=on_taps)
         done = self._commit([self._choose(hidden)])
         callback0 = self.callback_s  # the user's stream callback is not our time
         m.prefill_s = perf_counter() - t_start - callback0
@@ -361,9 +381,8 @@ class _Run:
                 break
             want = chooser.choose() if auto else k
             kk = min(want, self.max_new - len(self.out) - 1, room - 1)
-            if kk > 0 and pending:  # the drafter's context for the autoregressive steps since the last round
-                drafter.add_context(np.concatenate(pending), ctx)
-                pending.clear()
+            if kk > 0:  # the drafter's context for the positions committed since the last round
+                flush()
             t0 = perf_counter()
             callback_before = self.callback_s
             if kk <= 0:  # autoregressive step (no drafter, auto's choice, or the last token of the budget)
@@ -373,7 +392,7 @@ class _Run:
                 hidden, taps = target.forward([anchor], cache, taps=auto)
                 new = [self._choose(hidden)]  # the target's choice counts as verification time
                 if auto:
-                    pending.append(taps)
+                    defer(taps)
                 t2 = perf_counter()
                 a = 0
             else:

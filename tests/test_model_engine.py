@@ -77,6 +77,35 @@ def test_greedy_lossless_auto_k(hot):
         hot.generate([1, 2], 4, num_speculative_tokens="fast")
 
 
+def test_auto_builds_the_drafters_context_only_when_it_drafts(hot):
+    """With "auto" the prompt's and the autoregressive steps' taps reach the drafter's context only
+    when a round drafts (one GEMM then); a request that never drafts never pays for them, and the
+    deferred rows are bounded by the prefill chunk."""
+    eng = hot.clone()
+    added = []
+    original = eng.drafter.add_context
+    eng.drafter.add_context = lambda taps, ctx: (added.append(taps.shape[0]), original(taps, ctx))
+    cost = eng.round_cost  # a machine where drafting never pays: only AR steps, no probe in 24 tokens
+    for _ in range(3):
+        cost.observe(0, 1e-6)
+    cost.observe(eng.default_num_speculative_tokens, 1.0)
+    cost.last_k, cost.probe_interval = 0, 128
+    p = prompts(1, seed=11)[0]
+    ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
+    res = eng.generate(p, NEW_TOKENS, num_speculative_tokens="auto", ignore_eos=True)
+    assert res.token_ids == ref and res.metrics.k_histogram == {0: NEW_TOKENS - 1} and added == []
+    cost.last_k = 3  # the next request starts with a drafting round: all the prompt's rows, at once
+    res = eng.generate(p, NEW_TOKENS, num_speculative_tokens="auto", ignore_eos=True)
+    assert res.token_ids == ref and added[0] == len(p)
+    added.clear()
+    eng.target.prefill_chunk = 4  # a prompt longer than a chunk: deferred rows go in every 4
+    long_prompt = prompts(1, seed=12)[0] * 3
+    cost.last_k = 0
+    ref = hot.generate(long_prompt, 8, num_speculative_tokens=0, ignore_eos=True).token_ids
+    res = eng.generate(long_prompt, 8, num_speculative_tokens="auto", ignore_eos=True)
+    assert res.token_ids == ref and added and max(added) <= 4 and sum(added) >= len(long_prompt) - 3
+
+
 def test_greedy_lossless_sliding_drafter_default_taps(plain):
     for p in prompts(6, seed=1):
         ref = plain.generate(p, 20, num_speculative_tokens=0, ignore_eos=True)
