@@ -7,15 +7,16 @@ C(k) seconds on this machine (C(0): an autoregressive step; C(k >= 1): a drafter
 
 Both are estimated online from the rounds the engine runs anyway:
 - ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
-  drafts, shrunk toward the prior PRIOR_ACCEPT ** j.
+  drafts, shrunk toward a prior: what the Engine's last request learnt, or PRIOR_ACCEPT ** j for
+  its first.
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
   fastest recent round run at each k, greedy rounds of a fixed k included, interpolated between
   them and the autoregressive step (a least-squares line, tried first, extrapolated its early
   noisy points to k = 15 at 1.4x the real cost).
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
-stretches (``AutoK``). A later request starts where the Engine's last one ended (its k and its
-probe schedule), not with the longest k again.
+stretches (``AutoK``). A later request starts where the Engine's last one ended (its k, its
+probe schedule and its acceptance), not with the longest k again.
 """
 
 from __future__ import annotations
