@@ -6,6 +6,7 @@ overhead of a round (round time minus kernel time). The clock costs ~0.1 us per 
 
 from __future__ import annotations
 
+import math
 import os
 from time import perf_counter
 
@@ -108,7 +109,10 @@ class Ops:
         return out
 
     def _matmul(self, x, w):
-        self.linear_shapes.update((p.shape[0], p.shape[1]) for p in (w if isinstance(w, tuple) else (w,)))
+        if isinstance(w, tuple):
+            self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
+        else:  # one weight, every step: a plain add (a generator here cost ~1 us a call)
+            self.linear_shapes.add(w.shape[:2])
         if isinstance(w, dk.PackedWeight):
             if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
                 out = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -233,10 +237,13 @@ class Ops:
             out = np.argmax(logits, axis=1)
             # argmax picks a NaN (or +inf) wherever there is one: non-finite logits raise here as
             # they do in denoise_block and rejection_sample, instead of choosing a token silently
-            bad = ~np.isfinite(logits[np.arange(len(out)), out])
-            if bad.any():
-                raise ValueError(f"logits row {int(np.flatnonzero(bad)[0])} is not finite (NaN or inf in the "
-                                 "weights or activations)")
+            if len(out) == 1:  # decode: one scalar test (the fancy index below costs ~3 us)
+                bad_row = None if math.isfinite(logits[0, out[0]]) else 0
+            else:
+                bad = ~np.isfinite(logits[np.arange(len(out)), out])
+                bad_row = int(np.flatnonzero(bad)[0]) if bad.any() else None
+            if bad_row is not None:
+                raise ValueError(f"logits row {bad_row} is not finite (NaN or inf in the weights or activations)")
         else:
             out = dk.denoise_block(hidden, lm_head, temperature=0.0, precision=self.precision, **self.kw)
         self.kernel_s += perf_counter() - t
