@@ -4,32 +4,36 @@
 
 For each op, tiny inputs (so that the kernel's own work is small and the difference stands out):
 
-- public = ``dk.<op>(...)``: validation, conversion, output allocation, dispatch, the kernel;
-- kernel = the active tier's compiled kernel (``dk.kernel_module``), called with the arguments the
-  public call handed it (captured once) and preallocated outputs.
+- public = ``dk.<op>(x, w, n_threads=1)`` as users call it (``backend="auto"``, the default):
+  validation, conversion, output allocation, dispatch, the kernel;
+- kernel = the kernel "auto" runs (``dk.kernel_module``: the active tier's compiled kernel), called
+  with the arguments the public call handed it (captured once) and preallocated outputs.
+
+Both are called as written-out code calls them (``kernel(x, w, out, n_threads=1)``, as the model
+layer does): a star-call ``kernel(*args, **kwargs)`` costs a Cython function ~0.6 us more, which in
+the baseline would hide that much of the API layer.
 
 public - kernel is the per-call cost of the API layer. Medians of ``--reps`` timed calls after a
-warm-up, numpy inputs and torch inputs, n_threads=1. Prints one line per op and a JSON summary.
+warm-up, numpy inputs and torch inputs, n_threads=1; the three calls are timed in turn within each
+rep, so that a change in the machine's load shifts all three alike. Prints one line per op and a
+JSON summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
+import statistics
+import time
 
 import numpy as np
 import torch
 
 import dflash_kernels as dk
 from dflash_kernels import acceptance, attention, denoise, dense, linear_attention
-
-sys.path.insert(0, str(Path(__file__).parent))
-from scale import _median  # noqa: E402  (median of n calls after a warm-up, as every bench script here)
+from dflash_kernels._backends import resolve
 
 MODULES = (acceptance, attention, denoise, dense, linear_attention)
-BACKEND = "cython"  # kernel_module's: the compiled kernels of the active tier
 
 
 def cases(rng):
@@ -48,7 +52,7 @@ def cases(rng):
                                np.zeros((1, 16, 16), np.float32)), {}
 
 
-def capture(name, args, kwargs, backend):
+def capture(name, args, kwargs):
     """The (kernel, inputs, outs, params) the public call hands its backend."""
     seen = {}
     originals = {m: m.run for m in MODULES}
@@ -60,22 +64,49 @@ def capture(name, args, kwargs, backend):
     for m in MODULES:
         m.run = spy
     try:
-        getattr(dk, name)(*args, **kwargs, backend=backend, n_threads=1)
+        getattr(dk, name)(*args, **kwargs, n_threads=1)
     finally:
         for m, r in originals.items():
             m.run = r
+    if "call" not in seen:
+        raise RuntimeError(f"{name} did not reach a kernel (a linear shape delegated to torch here?)")
     family, op, inputs, outs, params = seen["call"]
+    backend = resolve("auto", family)[0]
+    if backend == "torch":
+        raise RuntimeError("backend auto resolves to torch here: no kernel to compare with")
     outs = outs if isinstance(outs, tuple) else (outs,)
     return getattr(dk.kernel_module(family, backend), op), inputs, outs, params
 
 
+def written_out(fn, args: tuple, kwargs: dict):
+    """A function of no arguments that calls fn(args..., key=value...) as written-out code does."""
+    names = {f"a{i}": a for i, a in enumerate(args)} | {f"k_{k}": v for k, v in kwargs.items()}
+    call = ", ".join([*(f"a{i}" for i in range(len(args))), *(f"{k}=k_{k}" for k in kwargs)])
+    return eval(f"lambda: fn({call})", {"fn": fn, **names})  # the text is ours: names a0.., k_...
+
+
+def medians(fns, reps: int) -> list[float]:
+    """Median seconds per call of each fn, the fns timed in turn within each of reps rounds."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times, strict=True):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
 def measure(name: str, a: tuple, kw: dict, reps: int) -> dict:
-    kernel, inputs, outs, params = capture(name, a, kw, BACKEND)
+    kernel, inputs, outs, params = capture(name, a, kw)
     ta = tuple(torch.from_numpy(x) if isinstance(x, np.ndarray) and x.dtype != np.float64 else x for x in a)
     op = getattr(dk, name)
-    public = _median(lambda: op(*a, **kw, backend=BACKEND, n_threads=1), reps) * 1e6
-    public_t = _median(lambda: op(*ta, **kw, backend=BACKEND, n_threads=1), reps) * 1e6
-    bare = _median(lambda: kernel(*inputs, *outs, n_threads=1, **params), reps) * 1e6
+    public, public_t, bare = (t * 1e6 for t in medians([
+        written_out(op, a, {**kw, "n_threads": 1}),
+        written_out(op, ta, {**kw, "n_threads": 1}),
+        written_out(kernel, (*inputs, *outs), {"n_threads": 1, **params}),
+    ], reps))
     print(f"{name:22s} public {public:7.2f} us (torch {public_t:7.2f})  kernel {bare:6.2f} us  "
           f"API layer {public - bare:6.2f} / {public_t - bare:6.2f} us", flush=True)
     return {"op": name, "public_numpy_us": public, "public_torch_us": public_t, "kernel_us": bare,
@@ -88,7 +119,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = [measure(name, a, kw, args.reps) for name, a, kw in cases(rng)]
-    print(json.dumps({"backend": BACKEND, "tier": dk.active_tier(), "reps": args.reps, "rows": rows}))
+    print(json.dumps({"backend": resolve("auto", "dense")[0], "tier": dk.active_tier(), "reps": args.reps,
+                      "rows": rows}))
     return 0
 
 

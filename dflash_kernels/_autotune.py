@@ -47,9 +47,15 @@ def cache_file() -> Path:
 
 def machine_key(n_threads: int) -> str:
     """What a measurement holds for: this CPU, the active tier, the thread count, the versions."""
+    return _machine_key(_isa.active_tier(), n_threads)
+
+
+@cache
+def _machine_key(tier: str | None, n_threads: int) -> str:
+    # memoized: linear with backend="auto" asks on every call, and the string cost ~3 us to build
     from . import __version__
 
-    return f"{_isa.cpu_model()} | tier {_isa.active_tier()} | {n_threads} threads | torch {torch.__version__} | " \
+    return f"{_isa.cpu_model()} | tier {tier} | {n_threads} threads | torch {torch.__version__} | " \
            f"dflash_kernels {__version__}"
 
 
@@ -81,6 +87,8 @@ def delegated_entries(n_threads: int) -> frozenset[str]:
     now = time.monotonic()
     if _state["stamp"] is None or now - _state["checked"] > 1.0:
         _state["stamp"], _state["checked"] = _stamp(), now
+    if not _state["stamp"]:  # no table (never tuned here): nothing to look up, on every linear call
+        return frozenset()
     return _delegated_set(machine_key(n_threads), _state["stamp"])
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 from functools import cache
 from types import ModuleType
 
 from . import _isa
+from ._env import EnvSetting
 
 log = logging.getLogger("dflash_kernels")
 
@@ -80,6 +80,14 @@ def available_backends() -> tuple[str, ...]:
 
 
 _warned: set[str] = set()
+_NAMES = frozenset((*BACKENDS, "auto"))
+
+
+def _preferred(raw: str | None) -> str:
+    return (raw or "").strip().lower()
+
+
+_ENV_BACKEND = EnvSetting("DFLASH_BACKEND", _preferred)  # read on every call (cheaply): a change takes effect
 
 
 def resolve(backend: str | None, family: str) -> tuple[str, ModuleType]:
@@ -90,16 +98,18 @@ def resolve(backend: str | None, family: str) -> tuple[str, ModuleType]:
     """
     if backend is None:
         backend = "auto"
-    if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
-        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
     # Memo keyed on everything the answer depends on (the ISA cap and DFLASH_BACKEND are read every
     # call, so changing them takes effect): this runs on every public call, and uncached it cost
-    # ~10 us of the ~13 us a tiny op takes (bench/validation_cost.py).
-    key = (backend, family, os.environ.get("DFLASH_BACKEND"), _isa.current_cap())
-    hit = _resolved.get(key)
-    if hit is not None:
-        return hit
-    _resolved[key] = found = _resolve(backend, family)
+    # ~10 us of the ~13 us a tiny op takes (bench/validation_cost.py). Only valid names are stored,
+    # so a hit needs no other check.
+    if type(backend) is str:
+        hit = _resolved.get((backend, family, _ENV_BACKEND.get(), _isa.current_cap()))
+        if hit is not None:
+            return hit
+    if not isinstance(backend, str) or backend not in _NAMES:
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    backend = str(backend)
+    _resolved[(backend, family, _ENV_BACKEND.get(), _isa.current_cap())] = found = _resolve(backend, family)
     return found
 
 
@@ -112,7 +122,7 @@ def _resolve(backend: str, family: str) -> tuple[str, ModuleType]:
         if isinstance(mod, Exception):
             raise RuntimeError(f"backend {backend!r} is not available: {mod}") from mod
         return backend, mod
-    preferred = os.environ.get("DFLASH_BACKEND", "").strip().lower()
+    preferred = _ENV_BACKEND.get()
     order = ((preferred,) if preferred in BACKENDS else ()) + BACKENDS
     for name in order:
         mod = _load(name, family)

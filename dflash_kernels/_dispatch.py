@@ -27,7 +27,7 @@ def run(family: str, op: str, inputs: tuple, outs, *, backend="auto", n_threads=
     """Run `op` of `family` on the chosen backend, writing into `outs`; return the backend's name."""
     n = resolve_threads(n_threads)
     name, impl = resolve(backend, family)
-    outs_t = outs if isinstance(outs, tuple) else (outs,)
+    outs_t = outs if type(outs) is tuple else (outs,)
     if name == "torch":
         with torch_threads(n), torch.no_grad():
             res = getattr(impl, op)(*(_torch_input(a) for a in inputs), **params)
@@ -35,6 +35,6 @@ def run(family: str, op: str, inputs: tuple, outs, *, backend="auto", n_threads=
         # the reference may return fewer results than there are outputs (e.g. no checkpoints, no status)
         for out, r in zip(outs_t, res_t, strict=False):
             out[...] = r.numpy().astype(out.dtype, copy=False)
-    else:
-        getattr(impl, op)(*inputs, *outs_t, n_threads=n, **params)
+    else:  # one tuple behind one star: f(*a, *b) first builds a list (~0.3 us more per call)
+        getattr(impl, op)(*(inputs + outs_t), n_threads=n, **params)
     return name

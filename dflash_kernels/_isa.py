@@ -17,9 +17,10 @@ DFLASH_MARCH (dflash_kernels._cython.native) is used as is, whatever the cap.
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 from functools import cache
+
+from ._env import EnvSetting
 
 TIERS = ("avx2", "avx512", "avx512_bf16", "amx")
 NATIVE = "native"
@@ -113,13 +114,14 @@ def parse_cap(value, source: str = "DFLASH_ISA") -> str | None:
 _UNSET = object()
 _runtime_cap: object = _UNSET
 _warned: set[tuple[str, str | None]] = set()
+_ENV_CAP = EnvSetting("DFLASH_ISA", parse_cap)  # read on every call (cheaply): a change takes effect
 
 
 def current_cap() -> str | None:
     """The cap in force: set_isa()'s if called, else DFLASH_ISA."""
     if _runtime_cap is not _UNSET:
         return _runtime_cap  # type: ignore[return-value]
-    return parse_cap(os.environ.get("DFLASH_ISA"))
+    return _ENV_CAP.get()
 
 
 def cap_tier(cap: str | None, machine: str | None) -> str | None:

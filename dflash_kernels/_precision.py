@@ -35,6 +35,8 @@ def check_precision(precision, name: str = "precision") -> str:
 
 def parts(precision) -> int:
     """bf16 parts per activation for `precision` (None: the process default)."""
+    if precision is None:  # the common case: one lookup (this runs on every linear / attention call)
+        return PRECISIONS[_default]
     return PRECISIONS[check_precision(precision)]
 
 

@@ -11,6 +11,8 @@ import os
 import time
 from contextlib import contextmanager
 
+from ._env import EnvSetting
+
 _MAX_THREADS = 4 * max(1, os.cpu_count() or 1)  # read once: os.cpu_count() costs ~2.5 us per public call
 
 
@@ -28,23 +30,32 @@ def _cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _parse_num_threads(env: str | None) -> int | None:
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"DFLASH_NUM_THREADS must be a positive int, got {env!r}") from None
+    if not 1 <= n <= max_threads():
+        raise ValueError(f"DFLASH_NUM_THREADS must lie in [1, {max_threads()}] (4x the CPUs), got {env!r}")
+    return n
+
+
+_ENV_THREADS = EnvSetting("DFLASH_NUM_THREADS", _parse_num_threads)  # read on every call (cheaply)
+
+
 def default_threads() -> int:
     """DFLASH_NUM_THREADS if set, else the number of CPUs this process may run on."""
-    env = os.environ.get("DFLASH_NUM_THREADS")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"DFLASH_NUM_THREADS must be a positive int, got {env!r}") from None
-        if not 1 <= n <= max_threads():
-            raise ValueError(f"DFLASH_NUM_THREADS must lie in [1, {max_threads()}] (4x the CPUs), got {env!r}")
-        return n
-    return _cpus()
+    n = _ENV_THREADS.get()
+    return n if n is not None else _cpus()  # the affinity is read every time: a worker may be pinned later
 
 
 def resolve_threads(n_threads) -> int:
     """Validate the public `n_threads` argument (an int in [1, max_threads()]); None means
     default_threads()."""
+    if type(n_threads) is int and 1 <= n_threads <= _MAX_THREADS:  # the common case, first (not bool)
+        return n_threads
     if n_threads is None:
         return default_threads()
     if isinstance(n_threads, bool) or not isinstance(n_threads, numbers.Integral) or n_threads < 1:

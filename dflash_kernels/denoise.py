@@ -11,7 +11,7 @@ from ._backends import resolve
 from ._dispatch import run
 from ._docs import shared_doc
 from ._precision import parts as precision_parts
-from ._tensors import Array, Generator, any_torch, f32_array, float_array, index_array, wrap
+from ._tensors import Array, Generator, any_torch, f32_array, first_nonzero, float_array, index_array, wrap
 from ._threads import resolve_threads
 from .acceptance import check_sampling, check_uniforms, draw_uniforms
 from .reference.dense import round_activations
@@ -98,9 +98,9 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
     if t_sz:
         run("denoise", "denoise_block", (x, w), (tokens, status), backend=backend, n_threads=n_threads,
             temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
-    bad = np.flatnonzero(status)
-    if bad.size:
-        raise ValueError(f"logits row {int(bad[0])} is not finite (lm_head contains NaN or inf)")
+    bad = first_nonzero(status)
+    if bad >= 0:
+        raise ValueError(f"logits row {bad} is not finite (lm_head contains NaN or inf)")
     return wrap(tokens, any_torch(hidden, lm_head))
 
 

@@ -309,7 +309,8 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
         if b.shape != (n,):
             raise ValueError(f"bias must have shape ({n},) to match weight {w.shape}, got {b.shape}")
     lead = xa.shape[:-1]
-    x2 = xa.reshape(math.prod(lead), k)  # (M, K)
+    flat = len(lead) == 1  # x is (M, K) already: no reshapes (~0.3 us each)
+    x2 = xa if flat else xa.reshape(math.prod(lead), k)  # (M, K)
     out = np.empty((x2.shape[0], n), np.float32)  # (M, N)
     if out.size and k == 0:  # an empty sum: only the bias is left
         out[...] = 0.0 if b is None else b
@@ -321,12 +322,12 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
                 mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite)
             else:  # the other backends read the row-major layout
                 run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
-        elif backend in ("auto", None) and resolve("auto", "dense")[0] == "cython" \
-                and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt):
+        elif backend in ("auto", None) and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt) \
+                and resolve("auto", "dense")[0] == "cython":  # delegates first: ~0.2 us without a table
             torch_linear(x2, w, b, parts, out, nt)  # measured faster here
         else:
             run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=nt, parts=parts)
-    return wrap(out.reshape(*lead, n), is_torch(x))
+    return wrap(out if flat else out.reshape(*lead, n), is_torch(x))
 
 
 def _eps(eps) -> float:
@@ -339,8 +340,14 @@ def _eps(eps) -> float:
     return e
 
 
+def _is_real(x) -> bool:
+    """An int, float or numpy number, not a bool. A float first: the common case, ~0.3 us less than
+    the isinstance chain."""
+    return type(x) is float or (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating)))
+
+
 def _offset(offset) -> float:
-    if isinstance(offset, (bool, str)) or not isinstance(offset, (int, float, np.integer, np.floating)):
+    if not _is_real(offset):
         raise TypeError(f"offset must be a real number (0.0 for Qwen3, 1.0 for Qwen3.5), got {offset!r}")
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
@@ -401,21 +408,22 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
     wa = f32_array(w, "w", ndim=1)
     if wa.shape != (h,):
         raise ValueError(f"w must have shape ({h},) to match x {xa.shape}, got {wa.shape}")
-    params = dict(eps=_eps(eps), offset=_offset(offset))
-    x2 = xa.reshape(-1, h)  # (M, H)
+    eps, offset = _eps(eps), _offset(offset)
+    flat = xa.ndim == 2  # x is (M, H) already: no reshapes (~0.3 us each)
+    x2 = xa if flat else xa.reshape(-1, h)  # (M, H)
     out = np.empty(x2.shape, np.float32)
     torch_out = is_torch(x)
     if residual is None:
         if out.size:
-            run("dense", "rms_norm", (x2, wa), out, backend=backend, n_threads=n_threads, **params)
-        return wrap(out.reshape(xa.shape), torch_out)
+            run("dense", "rms_norm", (x2, wa), out, backend=backend, n_threads=n_threads, eps=eps, offset=offset)
+        return wrap(out if flat else out.reshape(xa.shape), torch_out)
     ra = f32_array(residual, "residual")
     if ra.shape != xa.shape:
         raise ValueError(f"residual must have the shape of x {xa.shape}, got {ra.shape}")
     new_res = np.empty(x2.shape, np.float32)
     if out.size:
         run("dense", "rms_norm_residual", (x2, ra.reshape(-1, h), wa), (out, new_res), backend=backend,
-            n_threads=n_threads, **params)
+            n_threads=n_threads, eps=eps, offset=offset)
     return wrap(out.reshape(xa.shape), torch_out), wrap(new_res.reshape(xa.shape), torch_out)
 
 
@@ -551,7 +559,7 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     pos = index_array(positions, "positions", ndim=1)
     if pos.shape != (t,):
         raise ValueError(f"positions must have shape ({t},) to match x {xa.shape}, got {pos.shape}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer, np.floating)):
+    if not _is_real(theta):
         raise TypeError(f"theta must be a real number, got {theta!r}")
     if not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"theta must be finite and > 0, got {theta!r}")

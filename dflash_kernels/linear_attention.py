@@ -44,24 +44,24 @@ def _state_array(x, name: str, shape: tuple) -> np.ndarray:
     return arr
 
 
-def _checkpoint_slots(checkpoints, T: int) -> np.ndarray:
-    """(T,) int64: token t's state goes to checkpoint slot[t]; -1 = not kept."""
-    slot = np.full(T, -1, np.int64)
+def _checkpoint_slots(checkpoints, T: int) -> tuple[np.ndarray, int]:
+    """(T,) int64: token t's state goes to checkpoint slot[t]; -1 = not kept. And the slots kept."""
     if checkpoints is True:
-        slot[:] = np.arange(T)
-    elif checkpoints is False or checkpoints is None:
-        pass
-    else:
-        try:
-            idx = [int(i) for i in checkpoints]
-        except TypeError:
-            raise TypeError(f"checkpoints must be a bool or a sequence of token indices, got {checkpoints!r}") from None
-        if any(i < 0 or i >= T for i in idx):
-            raise ValueError(f"checkpoints indices must lie in [0, {T}), got {idx}")
-        if len(set(idx)) != len(idx):
-            raise ValueError(f"checkpoints indices must be distinct, got {idx}")
-        slot[idx] = np.arange(len(idx))
-    return slot
+        return np.arange(T, dtype=np.int64), T
+    slot = np.empty(T, np.int64)  # not np.full: ~1 us more per call (Python code around empty + copyto)
+    slot.fill(-1)
+    if checkpoints is False or checkpoints is None:
+        return slot, 0
+    try:
+        idx = [int(i) for i in checkpoints]
+    except TypeError:
+        raise TypeError(f"checkpoints must be a bool or a sequence of token indices, got {checkpoints!r}") from None
+    if any(i < 0 or i >= T for i in idx):
+        raise ValueError(f"checkpoints indices must lie in [0, {T}), got {idx}")
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"checkpoints indices must be distinct, got {idx}")
+    slot[idx] = np.arange(len(idx))
+    return slot, len(idx)
 
 
 @shared_doc
@@ -168,8 +168,7 @@ def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
         if arr.shape != (T, Hv):
             raise ValueError(f"{name} must have shape (T, H_v) = {(T, Hv)}, got {arr.shape}")
     st = _state_array(state, "state", (Hv, dk, dv))
-    slot = _checkpoint_slots(checkpoints, T)
-    n_keep = int((slot >= 0).sum())
+    slot, n_keep = _checkpoint_slots(checkpoints, T)
     if chunk_size is None:
         chunk_size = -1  # the backend's choice (see the docstring)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:

@@ -318,3 +318,25 @@ def test_filtered_probs_is_the_rule_rejection_sample_applies(sampling):
         dk.filtered_probs(np.full((1, 4), -np.inf, np.float32))
     with pytest.raises(ValueError, match="NaN"):
         dk.filtered_probs(np.array([[0.0, np.nan]], np.float32))
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 32, 33, 200])
+def test_small_array_checks_agree_with_numpy(size):
+    """The range checks behind the ids, uniforms and status codes take a Python path up to
+    _tensors.SMALL elements and numpy's above: both give numpy's answer, NaN and infinities included."""
+    from dflash_kernels._tensors import first_nonzero, in_unit_interval, int_bounds
+
+    rng = np.random.default_rng(size)
+    ints = rng.integers(-5, 50, size)
+    if size:
+        assert int_bounds(ints) == (ints.min(), ints.max())
+    status = np.zeros(size, np.int64)
+    assert first_nonzero(status) == -1
+    if size:
+        status[size // 2 :] = 2
+        assert first_nonzero(status) == size // 2
+    for bad in (None, np.nan, np.inf, -np.inf, 1.0, -1e-300):
+        u = rng.random(size)
+        if bad is not None and size:
+            u[rng.integers(size)] = bad
+        assert in_unit_interval(u) == bool(np.all(u >= 0.0) and np.all(u < 1.0)), (size, bad)

@@ -72,3 +72,37 @@ def test_bad_env_threads_named(value):
     env = dict(os.environ, DFLASH_NUM_THREADS=value)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "DFLASH_NUM_THREADS must" in res.stderr and "Segmentation" not in res.stderr
+
+
+def test_env_settings_take_effect_at_run_time(monkeypatch):
+    """DFLASH_BACKEND, DFLASH_NUM_THREADS and DFLASH_ISA are read on every call (through a cache of
+    the raw value, _env.py): a change made in the process takes effect at the next call, and a bad
+    value is an error at every call while it stays."""
+    import numpy as np
+
+    from dflash_kernels import _isa
+    from dflash_kernels._backends import resolve
+    from dflash_kernels._threads import default_threads
+
+    x = np.zeros((1, 4), np.float32)
+    monkeypatch.setenv("DFLASH_BACKEND", "torch")
+    assert resolve("auto", "dense")[0] == "torch"
+    monkeypatch.delenv("DFLASH_BACKEND")
+    assert resolve("auto", "dense")[0] == dk.available_backends()[0]
+    monkeypatch.setenv("DFLASH_NUM_THREADS", "1")
+    assert default_threads() == 1
+    for _ in range(2):
+        monkeypatch.setenv("DFLASH_NUM_THREADS", "two")
+        with pytest.raises(ValueError, match="DFLASH_NUM_THREADS must be a positive int, got 'two'"):
+            dk.silu_and_mul(x)
+    monkeypatch.delenv("DFLASH_NUM_THREADS")
+    assert default_threads() >= 1
+    for _ in range(2):
+        monkeypatch.setenv("DFLASH_ISA", "avx1024")
+        with pytest.raises(ValueError, match="DFLASH_ISA must be one of"):
+            dk.silu_and_mul(x)
+    monkeypatch.setenv("DFLASH_ISA", "avx2")
+    assert _isa.current_cap() == "avx2"
+    monkeypatch.delenv("DFLASH_ISA")
+    assert _isa.current_cap() is None
+    assert dk.silu_and_mul(x).shape == (1, 2)
