@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fixed", default="", help="comma-separated fixed k to run alongside (e.g. 4,8)")
+    ap.add_argument("--floor", action="store_true",
+                    help='also run "auto" that never drafts (this version\'s choice replaced by 0): what '
+                         "keeping drafting possible costs an autoregressive step (taps, bookkeeping)")
     args = ap.parse_args(argv)
 
     from dflash_kernels.model import adaptive, engine
@@ -43,6 +46,15 @@ def main(argv=None) -> int:
     eng.generate(prompts[0], 8, num_speculative_tokens="auto")  # warm-up
     fixed = {f"k={k}": int(k) for k in args.fixed.split(",") if k}
     modes = {"autoregressive": 0, "other": "auto", "this": "auto", **fixed}
+    if args.floor:
+        modes["auto, never drafting"] = "auto"
+
+    class NeverDrafts(adaptive.AutoK):
+        def choose(self) -> int:
+            super().choose()
+            return 0
+
+    chooser = {"other": other.AutoK, "auto, never drafting": NeverDrafts}
     totals = {name: [0, 0.0] for name in modes}
     k_hist = {name: {} for name in modes}  # rounds per k chosen
     k_max = eng.default_num_speculative_tokens
@@ -54,7 +66,7 @@ def main(argv=None) -> int:
             rate = {}
             turn = (rep * len(prompts) + i) % len(names)  # the order rotates: no mode always runs first
             for name in names[turn:] + names[:turn]:
-                engine.AutoK = other.AutoK if name == "other" else adaptive.AutoK
+                engine.AutoK = chooser.get(name, adaptive.AutoK)
                 eng.round_cost = costs[name]
                 res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=modes[name])
                 totals[name][0] += len(res.token_ids)
@@ -67,7 +79,7 @@ def main(argv=None) -> int:
     engine.AutoK = adaptive.AutoK
     ar = totals["autoregressive"][0] / totals["autoregressive"][1]
     for name, (tokens, seconds) in totals.items():
-        hist = "" if modes[name] != "auto" else f"  rounds per k {dict(sorted(k_hist[name].items()))}"
+        hist = "" if name not in ("other", "this") else f"  rounds per k {dict(sorted(k_hist[name].items()))}"
         print(f"{name}: {tokens / seconds:.1f} tokens/s, {tokens / seconds / ar:.3f}x autoregressive pooled, "
               f"median per prompt run {statistics.median(ratios[name]):.3f}x{hist}")
     return 0
