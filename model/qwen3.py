@@ -173,16 +173,17 @@ class Qwen3Model(TargetBase):
         ops, c, eps = self.ops, self.cfg, self.eps
         T = ids.shape[0]
         start = cache.length
-        pos = np.arange(start, start + T, dtype=np.int64)
-        qd = c.q_dim
         x = self.embed_rows(ids)  # (T, H) residual stream
         if self.fused_layers:
+            k_layers, v_layers = cache.k, cache.v
             for li, L in enumerate(self.layers):
-                ops.qwen3_layer(x, L, cache.k[li], cache.v[li], start)
+                ops.qwen3_layer(x, L, k_layers[li], v_layers[li], start)
                 if tap_out is not None and li in self._tap_slot:
                     self._write_taps(tap_out, li, x)
             cache.length = start + T
             return ops.rms_norm(x, self.norm, eps) if want_hidden else None
+        pos = np.arange(start, start + T, dtype=np.int64)
+        qd = c.q_dim
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
             if delta is None:
