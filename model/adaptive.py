@@ -7,8 +7,9 @@ C(k) seconds on this machine (C(0): an autoregressive step; C(k >= 1): a drafter
 
 Both are estimated online from the rounds the engine runs anyway:
 - ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
-  drafts, shrunk toward a prior: what the Engine's last request learnt, or PRIOR_ACCEPT ** j for
-  its first.
+  drafts, shrunk toward the prior PRIOR_ACCEPT ** j. (Starting a request from the acceptance the
+  last one learnt instead, tried in session 13, cost SmolLM2's auto 10-20%: its prompts differ,
+  and a request after a poor one no longer tried the drafts that paid for it.)
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
   fastest recent round run at each k, greedy rounds of a fixed k included, interpolated between
   them and the autoregressive step (a least-squares line, tried first, extrapolated its early
@@ -16,7 +17,7 @@ Both are estimated online from the rounds the engine runs anyway:
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
 stretches (``AutoK``). A later request starts where the Engine's last one ended (its k, its
-probe schedule and its acceptance), not with the longest k again.
+probe schedule), not with the longest k again.
 """
 
 from __future__ import annotations
@@ -113,9 +114,6 @@ class RoundCost:
         self.last_k: int | None = None
         self.probe_interval = PROBE_EVERY
         self.ar_run = 0
-        # and the acceptance it had learnt: the next request's prior (prompts differ, but less than
-        # the optimistic PRIOR_ACCEPT ** j differs from a drafter that rarely pays)
-        self.last_survival: np.ndarray | None = None
 
     def observe(self, k: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or not 0 <= k < len(self.est):
@@ -174,8 +172,6 @@ class AutoK:
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None):
         self.k_max, self.cost = k_max, cost
-        if prior is None and cost.last_survival is not None and len(cost.last_survival) >= k_max:
-            prior = cost.last_survival[:k_max]
         self.acceptance = AcceptanceEstimate(k_max, prior)
         # the Engine's last request left these (RoundCost): where drafts did not pay there, a
         # request starts without drafting and probes as rarely as the last one did
@@ -225,7 +221,5 @@ class AutoK:
 
     def observe(self, k: int, accepted: int, seconds: float) -> None:
         self.acceptance.observe(k, accepted)
-        if k > 0:  # what the next request starts from
-            self.cost.last_survival = self.acceptance.survival
         if self.rounds > 1:  # the first round after a prefill runs on cold caches: not a cost of k
             self.cost.observe(k, seconds)

@@ -156,28 +156,6 @@ def test_a_request_starts_where_the_last_one_ended():
     assert AutoK(k_max, cost).choose() == k_max  # never more than this request allows
 
 
-def test_a_request_starts_from_the_last_ones_acceptance():
-    """The next request's prior is the acceptance the last one learnt, not the optimistic
-    PRIOR_ACCEPT ** j: where drafts never paid, it does not draft again to find that out (on the
-    stdlib pair each request spent one or two rounds relearning it)."""
-    k_max = 15
-    cost = _cost(1.0, 3.0)
-    first = AutoK(k_max, cost)
-    first.choose()
-    for _ in range(30):  # nothing ever accepted
-        first.observe(k_max, 0, 3.0)
-    second = AutoK(k_max, cost)
-    assert np.allclose(second.acceptance.prior, first.acceptance.survival)
-    cost.last_k = 0
-    assert [second.choose() for _ in range(PROBE_EVERY - 1)] == [0] * (PROBE_EVERY - 1)
-    for _ in range(60):  # a drafter that is always right: the next request's prior says so
-        second.observe(k_max, k_max, 3.0)
-    third = AutoK(k_max, cost)
-    assert third.acceptance.survival.min() > 0.9
-    third.choose()  # the request's first round: where the last one ended
-    assert third.choose() == k_max
-
-
 def test_autok_decision_follows_each_new_estimate():
     """choose() reuses its argmax while neither estimate changed; a change is seen at once."""
     k_max = 15
