@@ -108,11 +108,14 @@ class ContentionGovernor:
     by one. Below it, one thread more is tried after ``probe_s``, then after twice that each time a
     try finds the cores still taken (at most ``max_probe_s``). Without /proc (not Linux) the count
     stays at ``n_max``. Results never depend on the thread count, so a change is invisible but for
-    speed.
+    speed. Each try runs a window at the contended count, which a k = 15 round of many parallel
+    regions pays dearly: beside a busy process on a 2-core Zen 2, tries after 0.5 s doubling up to
+    8 s left the stdlib pair's DFlash at 0.70-0.83x of ``--threads 1``; after 1 s up to 32 s,
+    0.84-0.94x (docs/benchmarks.md, session 13).
     """
 
-    def __init__(self, n_max: int, *, window_s: float = 0.1, busy: float = 0.2, probe_s: float = 0.5,
-                 max_probe_s: float = 8.0, path: str = "/proc/thread-self/schedstat"):
+    def __init__(self, n_max: int, *, window_s: float = 0.1, busy: float = 0.2, probe_s: float = 1.0,
+                 max_probe_s: float = 32.0, path: str = "/proc/thread-self/schedstat"):
         self.n_max, self.n = n_max, n_max
         self.window_s, self.busy, self.probe_s, self.max_probe_s = window_s, busy, probe_s, max_probe_s
         self._path = path
@@ -154,12 +157,6 @@ class ContentionGovernor:
             return max(1, n - 1)
         if n < self.n_max and now >= self._probe_at:
             self._trying = True  # judged by the next window
-            return n + 1
-        if n == self.n_max:
-            self._backoff = self.probe_s  # the cores are ours again
-        return n
-        if n < self.n_max and now >= self._probe_at:
-            self._probe_at = now  # the try: judged by the next window
             return n + 1
         if n == self.n_max:
             self._backoff = self.probe_s  # the cores are ours again
