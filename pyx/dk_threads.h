@@ -2,8 +2,13 @@
 #ifndef DK_THREADS_H
 #define DK_THREADS_H
 
+/* Overridable at build time for experiments (CFLAGS="-DDK_PARALLEL_MACS=(1L<<20)"). */
+#ifndef DK_PARALLEL_MACS
 #define DK_PARALLEL_MACS (1L << 18)   /* multiply-adds per thread (matmuls, the LM-head scan) */
+#endif
+#ifndef DK_PARALLEL_ELEMS
 #define DK_PARALLEL_ELEMS (1L << 15)  /* elements per thread (norms, RoPE, SwiGLU) */
+#endif
 
 /* One thread per `per_thread` units of `work`, at least 1, at most n_threads. Waking a thread costs
    more than a small share of work: with every thread for anything past one unit, the shipped
