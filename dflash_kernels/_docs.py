@@ -8,6 +8,22 @@ SHARED = {
     Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.""",
     "backend": """backend : {"auto", "cython", "numba", "torch"}, default "auto"
     Implementation to run; "auto" takes the first available (``available_backends()``).""",
+    # the two attention ops
+    "attention_precision": """precision : {"highest", "high", "medium"}, optional
+    Of both products, see the module docstring; None = the process default
+    (``set_matmul_precision``).""",
+    "attention_returns": """Returns
+-------
+ndarray or torch.Tensor, shape (T_q, H_q, D)
+    float32; a torch tensor if any input is one. Inputs must be finite: NaN/inf in q, K or V give
+    unspecified (typically NaN) outputs for the rows that see them.""",
+    # the decoder-layer ops' Examples: a tiny random layer's weights
+    "layer_weights_example": """>>> rng = np.random.default_rng(0)
+>>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
+>>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
+...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
+...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+>>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}""",
 }
 
 

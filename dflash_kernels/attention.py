@@ -105,17 +105,11 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
         Query i sees block keys 0..i only (and all context).
     window : int, optional
         Sliding window w >= 1 (see above); None (default) = no window.
-    precision : {"highest", "high", "medium"}, optional
-        Of both products, see the module docstring; None = the process default
-        (``set_matmul_precision``).
+    {attention_precision}
     {n_threads}
     {backend}
 
-    Returns
-    -------
-    ndarray or torch.Tensor, shape (T_q, H_q, D)
-        float32; a torch tensor if any input is one. Inputs must be finite: NaN/inf in q, K or V give
-        unspecified (typically NaN) outputs for the rows that see them.
+    {attention_returns}
 
     Raises
     ------
@@ -185,17 +179,11 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
         Scale of the scores ``q K^T``; None (default) = D**-0.5.
     window : int, optional
         Sliding window w >= 1: only keys at positions j > p - w; None (default) = no window.
-    precision : {"highest", "high", "medium"}, optional
-        Of both products, see the module docstring; None = the process default
-        (``set_matmul_precision``).
+    {attention_precision}
     {n_threads}
     {backend}
 
-    Returns
-    -------
-    ndarray or torch.Tensor, shape (T_q, H_q, D)
-        float32; a torch tensor if any input is one. Inputs must be finite: NaN/inf in q, K or V give
-        unspecified (typically NaN) outputs for the rows that see them.
+    {attention_returns}
 
     Raises
     ------

@@ -88,6 +88,7 @@ def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray
     return w
 
 
+@shared_doc
 def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: int, num_key_value_heads: int,
                         head_dim: int, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
                         rope_inv_freq: Array | None = None, sliding_window: int | None = None, prefix: str = "",
@@ -143,12 +144,7 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
 
     Examples
     --------
-    >>> rng = np.random.default_rng(0)
-    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
-    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
-    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
-    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
-    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    {layer_weights_example}
     >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D)
     >>> layer.hidden_size, layer.intermediate_size, layer.q_norm is None  # no q/k norms: a Llama layer
     (8, 16, True)
@@ -264,12 +260,7 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
 
     Examples
     --------
-    >>> rng = np.random.default_rng(0)
-    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
-    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
-    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
-    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
-    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    {layer_weights_example}
     >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D)
     >>> x = rng.standard_normal((3, H), dtype=np.float32)
     >>> k_cache, v_cache = np.zeros((2, 4, 1, D), np.float32)  # max_len 4
@@ -327,12 +318,7 @@ def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, pr
 
     Examples
     --------
-    >>> rng = np.random.default_rng(0)
-    >>> H, I, D = 8, 16, 4  # hidden, intermediate, head dim; 2 query heads, 1 kv head
-    >>> shapes = {"input_layernorm": (H,), "post_attention_layernorm": (H,), "self_attn.q_proj": (2 * D, H),
-    ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
-    ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
-    >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    {layer_weights_example}
     >>> layer = dk.prepare_qwen3_layer(weights, num_attention_heads=2, num_key_value_heads=1, head_dim=D,
     ...                                causal=False)
     >>> k_ctx, v_ctx = rng.standard_normal((2, 5, 1, D), dtype=np.float32)  # T_ctx = 5
