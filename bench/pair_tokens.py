@@ -25,24 +25,29 @@ def main(argv=None) -> int:
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-vocab", default="on", choices=("on", "off"),
+                    help="use the drafter's draft_vocab.json when it has one (model/draft_vocab.py)")
     args = ap.parse_args(argv)
 
     import dflash_kernels
     from dflash_kernels.model.benchmark import load_prompts
     from dflash_kernels.model.defaults import load_default
 
-    eng = load_default(args.model, n_threads=args.threads)
+    eng = load_default(args.model, n_threads=args.threads, draft_vocab=args.draft_vocab == "on")
     prompts = load_prompts(None, args.n_prompts, eng)
     eng.generate(prompts[0], 8, num_speculative_tokens=0)  # warm-up
     rates = []
     for mode in args.ks.split(","):
         k = mode if mode == "auto" else int(mode)
-        tokens, seconds = 0, 0.0
+        tokens, seconds, accepted, rounds = 0, 0.0, 0, 0
         for p in prompts:
             res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=k)
             tokens, seconds = tokens + len(res.token_ids), seconds + res.metrics.total_s
-        rates.append(f"k={mode}: {tokens / seconds:.1f} tokens/s")
-    print(f"{Path(dflash_kernels.__file__).parent.parent}: " + ", ".join(rates))
+            accepted, rounds = accepted + sum(res.metrics.accepted), rounds + res.metrics.rounds
+        rates.append(f"k={mode}: {tokens / seconds:.1f} tokens/s (tau {1 + accepted / max(rounds, 1):.2f})")
+    vocab = "" if eng.drafter is None or eng.drafter.draft_ids is None else \
+        f", drafting vocabulary {len(eng.drafter.draft_ids)}"
+    print(f"{Path(dflash_kernels.__file__).parent.parent}{vocab}: " + ", ".join(rates))
     return 0
 
 

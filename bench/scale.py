@@ -328,16 +328,20 @@ def _rewinder(cache, base: int):
 
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
-            rollback=(15, 6), precision=None, kv_dtype="float32") -> dict:
+            rollback=(15, 6), precision=None, kv_dtype="float32", draft_vocab_size=None) -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
     after a k-draft verification (the Gated DeltaNet state restore), None to skip. kv_dtype: the
-    target's KV cache storage ("float32" or "bfloat16")."""
+    target's KV cache storage ("float32" or "bfloat16"). draft_vocab_size: None, the drafter's
+    draft_vocab.json if it has one; 0, none; N, the first N token ids (a stand-in that times a
+    drafting vocabulary of that size: which ids does not change the time)."""
     from dflash_kernels.model import load
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
     eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
-               kv_dtype=kv_dtype, fuse_weights=True)
+               kv_dtype=kv_dtype, fuse_weights=True, draft_vocab=draft_vocab_size is None)
     tgt, dr = eng.target, eng.drafter
+    if draft_vocab_size:
+        dr.set_draft_vocab(np.arange(draft_vocab_size, dtype=np.int64), tgt.lm_head_table)
     cache, ctx = tgt.new_cache(context + 64, kv_dtype), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, min(151643, tgt.cfg.vocab_size), context).tolist()
@@ -352,7 +356,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         h, _ = tgt.forward([anchor], cache, taps=False)
         tgt.greedy(h)
 
-    res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {}}
+    res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {},
+           "draft_vocab": None if dr.draft_ids is None else len(dr.draft_ids)}
     # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
     h1, _ = tgt.forward([anchor], cache, taps=False)
     rewind()
@@ -418,6 +423,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", help="time this checkpoint (directory or GGUF) instead of a random --shape pair")
     ap.add_argument("--drafter", help="its DFlash drafter (with --target)")
     ap.add_argument("--ks", default="1-15", help="k values: a range a-b or a comma list (default 1-15)")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="time the drafter over a drafting vocabulary of this many tokens (0: none; "
+                         "default: the drafter's draft_vocab.json if it has one)")
     ap.add_argument("--layers", type=int, default=None,
                     help="Qwen3.5 shapes: write and time only this many target layers (a multiple of 4 keeps "
                          "the 3:1 pattern) at full width, with the full LM head and drafter, and scale the "
@@ -462,7 +470,7 @@ def main(argv=None) -> int:
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
             written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
-                      precision=args.precision, kv_dtype=args.kv_dtype)
+                      precision=args.precision, kv_dtype=args.kv_dtype, draft_vocab_size=args.draft_vocab_size)
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision, kv_dtype=args.kv_dtype)
@@ -486,7 +494,8 @@ def main(argv=None) -> int:
             taus = {s_["k"]: s_["tau"] for s_ in taus["sweep"]}
         res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
-    print(f"tier {res['tier']}, precision {res['precision']}, KV cache {res['kv_dtype']}")
+    vocab = "" if res["draft_vocab"] is None else f", drafting vocabulary {res['draft_vocab']} tokens"
+    print(f"tier {res['tier']}, precision {res['precision']}, KV cache {res['kv_dtype']}{vocab}")
     if "timed_layers" in res:
         print(f"timed {res['timed_layers']} of {s.layers} target layers at full width (with the full LM head "
               f"and drafter) and scaled the layers' time to {s.layers} layers")

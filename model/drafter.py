@@ -90,6 +90,20 @@ class DFlashDrafter:
         self.w_kv_all = prep(concat_rows(*kv_rows))  # (layers * 2 kv_dim, H) [Wk_0; Wv_0; Wk_1; ...]
         # one compiled call per block layer where the weights are packed (as Qwen3Model.fused_layers)
         self.fused_layers = self.ops.fused_layers and all(L.fused for L in self.layers)
+        # the tokens drafts are chosen from: all (the target's head), or a drafting vocabulary
+        self.draft_head, self.draft_ids = lm_head, None
+        self._prep = prep
+
+    def set_draft_vocab(self, token_ids: np.ndarray, lm_head_table: np.ndarray) -> None:
+        """Draft only over `token_ids` (sorted, unique, int64): the drafter's head becomes those rows
+        of the target's LM head (`lm_head_table`, as stored), a copy in linear's layout
+        (model/draft_vocab.py). Drafts are target token ids as before."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        V = lm_head_table.shape[0]
+        if ids.ndim != 1 or not ids.size or ids.min() < 0 or ids.max() >= V or np.any(np.diff(ids) <= 0):
+            raise ValueError(f"a drafting vocabulary must be sorted, unique token ids in [0, {V})")
+        self.draft_ids = ids
+        self.draft_head = self._prep(storage(np.ascontiguousarray(lm_head_table[ids])))
 
     def new_cache(self, max_len: int) -> ContextCache:
         c = self.cfg
@@ -145,7 +159,8 @@ class DFlashDrafter:
     def draft(self, anchor: int, n_draft: int, cache: ContextCache) -> np.ndarray:
         """n_draft greedy draft tokens (argmax of rows 1..n_draft through the target's lm_head)."""
         h = self.block_hidden(anchor, n_draft, cache)
-        return self.ops.argmax_tokens(h[1:], self.lm_head)
+        best = self.ops.argmax_tokens(h[1:], self.draft_head)
+        return best if self.draft_ids is None else self.draft_ids[best]
 
     def draft_sampled(self, anchor: int, n_draft: int, cache: ContextCache, temperature: float, top_k: int,
                       top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -154,9 +169,15 @@ class DFlashDrafter:
         with q accepts with probability sum_x min(p(x), q(x)) per position, where a one-hot (argmax)
         draft is accepted only with p(argmax)."""
         h = self.block_hidden(anchor, n_draft, cache)
-        q = self.ops.filtered_probs(self.ops.linear(h[1:], self.lm_head), temperature, top_k, top_p)
+        q = self.ops.filtered_probs(self.ops.linear(h[1:], self.draft_head), temperature, top_k, top_p)
         csum = np.cumsum(q, axis=1, dtype=np.float64)
         u = rng.random(n_draft) * csum[:, -1]
         # inverse CDF: the first index whose running sum exceeds u (so q > 0 there)
         drafts = np.minimum((csum <= u[:, None]).sum(axis=1), q.shape[1] - 1).astype(np.int64)
-        return drafts, q
+        if self.draft_ids is None:
+            return drafts, q
+        # over a drafting vocabulary: q as rows over the target's vocabulary (0 outside the set),
+        # which is all rejection sampling needs to stay exact
+        full = np.zeros((n_draft, self.embed.shape[0]), np.float32)
+        full[:, self.draft_ids] = q
+        return self.draft_ids[drafts], full

@@ -25,6 +25,7 @@ from dflash_kernels.acceptance import MIN_TEMPERATURE
 from ._ops import Ops
 from .adaptive import AutoK, RoundCost
 from .config import load_dflash_config, qwen3_config_from_dict
+from .draft_vocab import FILE as draft_vocab_file, read as read_draft_vocab
 from .drafter import DFlashDrafter
 from .gguf import is_gguf, read_gguf
 from .metrics import Metrics, aggregate
@@ -445,7 +446,7 @@ class _Run:
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
          fuse_weights="auto", precision: str | None = None, gguf_dtype: str = "bfloat16", mmap: bool = True,
-         check_weights: bool = False) -> Engine:
+         check_weights: bool = False, draft_vocab: bool = True) -> Engine:
     """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
     target_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), or a
@@ -463,6 +464,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
+    draft_vocab: draft only over the tokens listed in the drafter directory's draft_vocab.json when
+    there is one (model/draft_vocab.py: a cheaper drafter LM head; the output is the target's either way).
     Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
     """
     target_dir = Path(target_dir)
@@ -515,6 +518,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
             check_finite(dtensors, dorigin)
         drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=ops,
                                 target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
+        vocab_file = drafter_dir / draft_vocab_file
+        if draft_vocab and vocab_file.is_file():
+            drafter.set_draft_vocab(read_draft_vocab(vocab_file, tcfg.vocab_size), target.lm_head_table)
     engine = Engine(target, drafter, tokenizer, stops, ops=ops, max_len=max_len, kv_dtype=kv_dtype)
     engine.target_dir, engine.drafter_dir, engine.chat_template = target_dir, drafter_dir, template
     return engine

@@ -120,7 +120,9 @@ class Qwen3Model(TargetBase):
         # the matmul weights in linear's fastest layout here (packed where Cython runs: a copy, so
         # only when fusing; unfused weights stay memory-mapped)
         prep = self.ops.prepare if fuse else (lambda w: w)
-        self.lm_head = prep(self.embed if cfg.tie_word_embeddings else t["lm_head.weight"])  # (V, H)
+        # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
+        self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.lm_head = prep(self.lm_head_table)  # (V, H)
         self.norm = as_f32(t["model.norm.weight"])
         self.layers = []
         for i in range(cfg.num_hidden_layers):

@@ -191,7 +191,9 @@ class Qwen35Model(TargetBase):
         P = cfg.prefix
         self.embed = t[P + "embed_tokens.weight"]  # (V, H), memory-mapped
         prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
-        self.lm_head = prep(self.embed if cfg.tie_word_embeddings else t["lm_head.weight"])
+        # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
+        self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.lm_head = prep(self.lm_head_table)
         self.norm = as_f32(t[P + "norm.weight"])
         self.layers = []
         n_full = n_lin = 0

@@ -489,3 +489,88 @@ def test_fixed_k_greedy_rounds_time_the_round_cost(plain):
     before = eng.round_cost.est.copy()
     eng.generate([5, 6, 7], 12, temperature=0.7, seed=1, num_speculative_tokens=5, ignore_eos=True)
     assert np.array_equal(before, eng.round_cost.est, equal_nan=True)
+
+
+def _half_vocab(eng, first: int):
+    """Every other token id from `first`: a drafting vocabulary that misses half of the target's
+    (the fixtures' hot token, the one the random drafter favours, is id 0)."""
+    return np.arange(first, eng.target.cfg.vocab_size, 2, dtype=np.int64)
+
+
+def test_draft_vocab_greedy_lossless(hot):
+    """Drafts from a drafting vocabulary (model/draft_vocab.py) are target ids inside it; greedy
+    output stays the autoregressive one. The whole vocabulary as the set drafts exactly as before."""
+    full = hot.clone()
+    full.drafter.set_draft_vocab(np.arange(hot.target.cfg.vocab_size), full.target.lm_head_table)
+    half = hot.clone()
+    ids = _half_vocab(half, 1)  # without the hot token: drafts the target often rejects
+    half.drafter.set_draft_vocab(ids, half.target.lm_head_table)
+    proposed = []
+    draft = half.drafter.draft
+    half.drafter.draft = lambda *a: proposed.append(d := draft(*a)) or d
+    for p in prompts(8, seed=21):
+        ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
+        base = hot.generate(p, NEW_TOKENS, num_speculative_tokens=4, ignore_eos=True)
+        same = full.generate(p, NEW_TOKENS, num_speculative_tokens=4, ignore_eos=True)
+        assert base.token_ids == ref and same.token_ids == ref and same.metrics.accepted == base.metrics.accepted
+        assert half.generate(p, NEW_TOKENS, num_speculative_tokens=4, ignore_eos=True).token_ids == ref
+    drafted = np.concatenate(proposed)
+    assert np.isin(drafted, ids).all() and len(set(drafted.tolist())) > 1  # never the hot token 0
+    with pytest.raises(ValueError, match="sorted, unique token ids"):
+        half.drafter.set_draft_vocab(ids[::-1], half.target.lm_head_table)
+
+
+def test_draft_vocab_sampling_follows_target_distribution(warm):
+    """Sampled drafts over half the vocabulary, with q zero outside it: tokens 1 and 2 still follow
+    p(t1) and p(t2 | t1) (rejection sampling with q is exact for any q)."""
+    eng = warm.clone()
+    ids = _half_vocab(eng, 0)
+    eng.drafter.set_draft_vocab(ids, eng.target.lm_head_table)
+    sampled = []
+    draft_sampled = eng.drafter.draft_sampled
+    eng.drafter.draft_sampled = lambda *a: sampled.append(r := draft_sampled(*a)) or r
+    T, N = 0.7, 700
+    prompt = [9, 8, 7, 6]
+    samples = [tuple(eng.generate(prompt, 3, temperature=T, seed=7000 + s, num_speculative_tokens=3,
+                                  ignore_eos=True).token_ids) for s in range(N)]
+    for drafts, q in sampled[:50]:  # q: rows over the whole vocabulary, all their mass on the set
+        assert np.isin(drafts, ids).all() and (q[np.arange(len(drafts)), drafts] > 0).all()
+        assert np.allclose(q[:, ids].sum(axis=1), 1.0, atol=1e-5) and not np.delete(q, ids, axis=1).any()
+    hist = eng.aggregate_metrics().tau_histogram
+    assert hist.get(1, 0) > 50 and sum(c for n, c in hist.items() if n >= 2) > 50, hist
+    checks = [((), 0)]
+    first = {}
+    for s in samples:
+        first.setdefault(s[0], []).append(s)
+    checks += [((t1,), 1) for t1, group in first.items() if len(group) >= 60]
+    assert len(checks) >= 2, "too few large groups for a conditional test"
+    for prefix, pos in checks:
+        counts = {}
+        for s in samples:
+            if s[:pos] == prefix:
+                counts[s[pos]] = counts.get(s[pos], 0) + 1
+        ok, stat, crit = chi2_ok(counts, _target_probs(eng, prompt + list(prefix), T))
+        assert ok, f"draft vocabulary, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def test_draft_vocab_file_is_loaded_beside_the_drafter(ckpt_dir, tmp_path_factory):
+    """model.load reads the drafter directory's draft_vocab.json (draft_vocab=False ignores it); a
+    bad file is a clear error naming it."""
+    from dflash_kernels.model import draft_vocab
+
+    t = ckpt_dir("hot", tie=False, hot_tokens=1, hot_scale=40.0, shards=2)
+    d = write_dflash(tmp_path_factory.mktemp("dv"), t, layers=2, block_size=16, target_layer_ids=(0, 2))
+    V = dm.load(t, d, max_len=64, n_threads=1).target.cfg.vocab_size
+    draft_vocab.write(d / draft_vocab.FILE, [5, 0, 7, 5], vocab_size=V, source="test", tokens_counted=4)
+    eng = dm.load(t, d, max_len=64, n_threads=1)
+    assert eng.drafter.draft_ids.tolist() == [0, 5, 7]
+    assert dm.load(t, d, max_len=64, n_threads=1, draft_vocab=False).drafter.draft_ids is None
+    res = eng.generate([3, 4, 5], 12, num_speculative_tokens=4, ignore_eos=True)
+    assert res.token_ids == eng.generate([3, 4, 5], 12, num_speculative_tokens=0, ignore_eos=True).token_ids
+    for bad, match in (('{"token_ids": [1, 99999]}', r"token ids must lie in \[0, "),
+                       ('{"vocab_size": 7, "token_ids": [1]}', "made for a vocabulary of 7"),
+                       ("not json", "not a draft vocabulary")):
+        (d / draft_vocab.FILE).write_text(bad)
+        with pytest.raises(ValueError, match=match) as err:
+            dm.load(t, d, max_len=64, n_threads=1)
+        assert draft_vocab.FILE in str(err.value)
