@@ -256,16 +256,8 @@ def test_sampling_follows_target_distribution(warm):
         assert ok, f"prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f} with {len(group)} samples"
 
 
-def test_sampling_with_auto_k_follows_target_distribution(warm):
-    """num_speculative_tokens="auto" changes k from round to round (0 included): tokens 1 and 2 still
-    follow p(t1) and p(t2|t1)."""
-    T, N = 0.7, 700
-    prompt = [9, 8, 7, 6]
-    warm.reset_metrics()
-    samples = [tuple(warm.generate(prompt, 3, temperature=T, seed=5000 + s, num_speculative_tokens="auto",
-                                   ignore_eos=True).token_ids) for s in range(N)]
-    m = warm.aggregate_metrics()
-    assert {0, 1} <= set(m.k_histogram), m.k_histogram  # drafting rounds and autoregressive steps
+def _check_first_two_tokens(eng, prompt, T, samples, label):
+    """Sampled tokens 1 and 2 follow p(t1) and p(t2 | t1) (chi-square; t1 values with >= 60 samples)."""
     checks = [((), 0)]
     first = {}
     for s in samples:
@@ -277,8 +269,21 @@ def test_sampling_with_auto_k_follows_target_distribution(warm):
         for s in samples:
             if s[:pos] == prefix:
                 counts[s[pos]] = counts.get(s[pos], 0) + 1
-        ok, stat, crit = chi2_ok(counts, _target_probs(warm, prompt + list(prefix), T))
-        assert ok, f"auto k, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
+        ok, stat, crit = chi2_ok(counts, _target_probs(eng, prompt + list(prefix), T))
+        assert ok, f"{label}, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def test_sampling_with_auto_k_follows_target_distribution(warm):
+    """num_speculative_tokens="auto" changes k from round to round (0 included): tokens 1 and 2 still
+    follow p(t1) and p(t2|t1)."""
+    T, N = 0.7, 700
+    prompt = [9, 8, 7, 6]
+    warm.reset_metrics()
+    samples = [tuple(warm.generate(prompt, 3, temperature=T, seed=5000 + s, num_speculative_tokens="auto",
+                                   ignore_eos=True).token_ids) for s in range(N)]
+    m = warm.aggregate_metrics()
+    assert {0, 1} <= set(m.k_histogram), m.k_histogram  # drafting rounds and autoregressive steps
+    _check_first_two_tokens(warm, prompt, T, samples, "auto k")
 
 
 def test_sampling_ar_matches_distribution_and_seed(warm):
@@ -538,19 +543,7 @@ def test_draft_vocab_sampling_follows_target_distribution(warm):
         assert np.allclose(q[:, ids].sum(axis=1), 1.0, atol=1e-5) and not np.delete(q, ids, axis=1).any()
     hist = eng.aggregate_metrics().tau_histogram
     assert hist.get(1, 0) > 50 and sum(c for n, c in hist.items() if n >= 2) > 50, hist
-    checks = [((), 0)]
-    first = {}
-    for s in samples:
-        first.setdefault(s[0], []).append(s)
-    checks += [((t1,), 1) for t1, group in first.items() if len(group) >= 60]
-    assert len(checks) >= 2, "too few large groups for a conditional test"
-    for prefix, pos in checks:
-        counts = {}
-        for s in samples:
-            if s[:pos] == prefix:
-                counts[s[pos]] = counts.get(s[pos], 0) + 1
-        ok, stat, crit = chi2_ok(counts, _target_probs(eng, prompt + list(prefix), T))
-        assert ok, f"draft vocabulary, prefix {prefix}: chi2 {stat:.1f} >= {crit:.1f}"
+    _check_first_two_tokens(eng, prompt, T, samples, "draft vocabulary")
 
 
 def test_draft_vocab_file_is_loaded_beside_the_drafter(ckpt_dir, tmp_path_factory):
