@@ -83,8 +83,9 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
     eng.generate(prompts[0], 8, num_speculative_tokens=num_speculative_tokens)  # warm-up: JIT caches, buffers
     rows, lossless = [], {}
     for temp in temperatures:
-        # None: what generate would draft at this temperature (the tuned k, else auto / block_size - 1)
-        k = eng.default_speculative_tokens(temp) if num_speculative_tokens is None else num_speculative_tokens
+        # None: what generate would draft at this temperature with a seed, as here (the tuned k, else
+        # auto / block_size - 1)
+        k = eng.default_speculative_tokens(temp, seed) if num_speculative_tokens is None else num_speculative_tokens
         ar, sd = [], []
         for i, p in enumerate(tqdm(prompts, desc=f"bench T={temp}", leave=False)):
             ar += _run(eng, [p], max_new_tokens, temp, 0, seed + i)

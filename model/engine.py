@@ -84,14 +84,16 @@ class Engine:
     def default_num_speculative_tokens(self) -> int:
         return self.drafter.cfg.block_size - 1 if self.drafter else 0
 
-    def default_speculative_tokens(self, temperature: float = 0.0) -> int | str:
+    def default_speculative_tokens(self, temperature: float = 0.0, seed=None) -> int | str:
         """What generate drafts when num_speculative_tokens is not given: the k `dflash tune` stored for
         this pair and setting on this machine (read once per Engine; run_tune refreshes it), else
-        "auto" for greedy decoding and block_size - 1 when sampling; 0 without a drafter.
+        "auto", except when sampling with a seed: block_size - 1; 0 without a drafter.
 
-        Why not "auto" when sampling: its k follows measured round times, and sampled tokens depend on
-        the drafts, so a seed would no longer reproduce the tokens (greedy output is the same for every
-        k, so there "auto" only changes the speed)."""
+        Why not "auto" when sampling with a seed: its k follows measured round times, and sampled
+        tokens depend on the drafts, so the seed would no longer reproduce the tokens (greedy output
+        is the same for every k, and unseeded sampling has nothing to reproduce, so there "auto" only
+        changes the speed: on SmolLM2 at T = 0.7, k = 15 ran at 0.43x autoregressive and auto at
+        1.08x, docs/benchmarks.md session 13)."""
         if self.drafter is None:
             return 0
         if self._tuned_k is None:
@@ -101,7 +103,7 @@ class Engine:
             self._tuned_k = -1 if tuned is None else min(tuned, self.default_num_speculative_tokens)
         if self._tuned_k >= 0:
             return self._tuned_k
-        return "auto" if temperature == 0.0 else self.default_num_speculative_tokens
+        return "auto" if temperature == 0.0 or seed is None else self.default_num_speculative_tokens
 
     def chat_prompt(self, messages, enable_thinking: bool = False) -> str:
         """Prompt text through the target's own chat template (ChatML when it has none); thinking
@@ -186,7 +188,8 @@ class Engine:
         tokens per second from this request's acceptance and this machine's measured round cost
         (model/adaptive.py). Default: the k `dflash tune` stored for this pair, threads, ISA tier
         and precision on this machine (0 when no k beat autoregressive decoding there), else "auto"
-        when greedy and block_size - 1 when sampling (so that a seed reproduces the tokens)
+        when greedy or sampling without a seed, and block_size - 1 when sampling with one (so that
+        the seed reproduces the tokens)
         (model/adaptive.py; the output does not depend on it). stop: extra stop token ids and/or
         stop strings (in addition to the checkpoint's eos ids unless ignore_eos). stream:
         ``callback(new_ids, new_text)`` after every round (new_text None without tokenizer).
@@ -219,7 +222,7 @@ class Engine:
             temperature = 0.0
         k = num_speculative_tokens
         if k is None:
-            k = self.default_speculative_tokens(temperature)
+            k = self.default_speculative_tokens(temperature, seed)
         auto = isinstance(k, str) and k == "auto"
         if auto:
             k = self.default_num_speculative_tokens  # the most a round may draft (0 without a drafter)

@@ -459,10 +459,11 @@ def test_nan_weights_raise_on_the_autoregressive_path_too(ckpt_dir, tmp_path_fac
 
 
 def test_default_k_auto_when_greedy_fixed_when_sampling(hot, monkeypatch):
-    """Without a tuned k: greedy runs "auto" (its output is the same for every k, so only speed moves),
-    sampling runs block_size - 1 (auto's k follows round times, so a seed would not reproduce tokens)."""
-    assert hot.default_speculative_tokens(0.0) == "auto"
-    assert hot.default_speculative_tokens(0.7) == hot.default_num_speculative_tokens == 15
+    """Without a tuned k: greedy and unseeded sampling run "auto" (greedy output is the same for every
+    k, so only speed moves), seeded sampling runs block_size - 1 (auto's k follows round times, so
+    the seed would not reproduce tokens)."""
+    assert hot.default_speculative_tokens(0.0) == "auto" == hot.default_speculative_tokens(0.7)
+    assert hot.default_speculative_tokens(0.7, seed=5) == hot.default_num_speculative_tokens == 15
     import dflash_kernels.model.engine as engine_mod
 
     choosers = []
@@ -479,6 +480,8 @@ def test_default_k_auto_when_greedy_fixed_when_sampling(hot, monkeypatch):
     a = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
     b = hot.generate([9, 8, 7], 20, temperature=0.7, seed=5, ignore_eos=True)
     assert a.token_ids == b.token_ids and len(choosers) == 1 and a.metrics.drafted[0] == 15  # fixed k
+    hot.generate([9, 8, 7], 20, temperature=0.7, ignore_eos=True)  # no seed: nothing to reproduce
+    assert len(choosers) == 2  # "auto"
 
 
 def test_fixed_k_greedy_rounds_time_the_round_cost(plain):
