@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import numbers
 
 import numpy as np
 import torch
@@ -149,6 +150,17 @@ def index_array(x, name: str, ndim: int | None = None, high: int | None = None, 
             bound = f">= {low}" if high is None else f"< {high}" if low is None else f"[{low}, {high})"
             raise ValueError(f"{name} values must lie in {bound}, got min {lo} max {hi}")
     return arr
+
+
+def is_int(x) -> bool:
+    """An integer argument (Python or numpy), not a bool. int first: isinstance against the numbers
+    ABCs is the slow part of the check, and most callers pass a plain int."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
+
+
+def is_real(x) -> bool:
+    """A real-number argument (Python or numpy int / float), not a bool; float and int first."""
+    return type(x) is float or type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Real))
 
 
 def int_bounds(arr: np.ndarray) -> tuple[int, int]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 import torch
 
@@ -11,7 +9,7 @@ from ._backends import resolve
 from ._dispatch import run
 from ._docs import shared_doc
 from ._precision import parts as precision_parts
-from ._tensors import Array, Generator, any_torch, f32_array, first_nonzero, float_array, index_array, wrap
+from ._tensors import Array, Generator, any_torch, f32_array, first_nonzero, float_array, index_array, is_int, wrap
 from ._threads import resolve_threads
 from .acceptance import check_sampling, check_uniforms, draw_uniforms
 from .reference.dense import round_activations
@@ -148,10 +146,9 @@ def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, 
     """
     resolve_threads(n_threads)
     resolve(backend, "denoise")
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or not 1 <= block_size <= 2**16:
+    if not is_int(block_size) or not 1 <= block_size <= 2**16:
         raise ValueError(f"block_size must be an int in [1, 65536] (drafters use 8-32), got {block_size!r}")
-    if (isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral)
-            or mask_token_id < 0):
+    if not is_int(mask_token_id) or mask_token_id < 0:
         raise ValueError(f"mask_token_id must be an int >= 0, got {mask_token_id!r}")
     if vocab_size is not None and mask_token_id >= vocab_size:
         raise ValueError(f"mask_token_id must be < vocab_size {vocab_size}, got {mask_token_id}")

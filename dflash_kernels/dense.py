@@ -12,7 +12,7 @@ from ._backends import resolve
 from ._dispatch import run
 from ._docs import shared_doc
 from ._precision import parts as precision_parts
-from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_torch, wrap
+from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_real, is_torch, wrap
 from ._threads import resolve_threads
 
 
@@ -340,14 +340,8 @@ def _eps(eps) -> float:
     return e
 
 
-def _is_real(x) -> bool:
-    """An int, float or numpy number, not a bool. A float first: the common case, ~0.3 us less than
-    the isinstance chain."""
-    return type(x) is float or (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating)))
-
-
 def _offset(offset) -> float:
-    if not _is_real(offset):
+    if not is_real(offset):
         raise TypeError(f"offset must be a real number (0.0 for Qwen3, 1.0 for Qwen3.5), got {offset!r}")
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
@@ -559,7 +553,7 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     pos = index_array(positions, "positions", ndim=1)
     if pos.shape != (t,):
         raise ValueError(f"positions must have shape ({t},) to match x {xa.shape}, got {pos.shape}")
-    if not _is_real(theta):
+    if not is_real(theta):
         raise TypeError(f"theta must be a real number, got {theta!r}")
     if not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"theta must be finite and > 0, got {theta!r}")

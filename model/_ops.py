@@ -111,7 +111,7 @@ class Ops:
     def _matmul(self, x, w):
         if isinstance(w, tuple):
             self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
-        else:  # one weight, every step: a plain add (a generator here cost ~1 us a call)
+        else:  # one weight, every step: a plain add, no generator
             self.linear_shapes.add(w.shape[:2])
         if isinstance(w, dk.PackedWeight):
             if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
@@ -237,7 +237,7 @@ class Ops:
             out = np.argmax(logits, axis=1)
             # argmax picks a NaN (or +inf) wherever there is one: non-finite logits raise here as
             # they do in denoise_block and rejection_sample, instead of choosing a token silently
-            if len(out) == 1:  # decode: one scalar test (the fancy index below costs ~3 us)
+            if len(out) == 1:  # decode: one scalar test instead of the fancy index below
                 bad_row = None if math.isfinite(logits[0, out[0]]) else 0
             else:
                 bad = ~np.isfinite(logits[np.arange(len(out)), out])

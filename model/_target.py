@@ -3,8 +3,6 @@ prefill / decode / verify conveniences over ``forward``."""
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import numpy as np
 
 from .weights import as_f32
@@ -62,13 +60,7 @@ class TargetBase:
         return (hidden[0] if len(hidden) == 1 else np.concatenate(hidden)), tap_out
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
-        return as_f32(self._embed_array[ids])  # (T, H) float32 copy of the needed rows only
-
-    @cached_property
-    def _embed_array(self) -> np.ndarray:
-        """The embedding as a plain ndarray view of its mapping: np.memmap's indexing runs Python
-        code (__getitem__, __array_finalize__), ~4 us of every decode step."""
-        return self.embed.view(np.ndarray)
+        return as_f32(self.embed[ids])  # (T, H) float32 copy of the needed rows only
 
     def prefill(self, ids, cache):
         """Prompt -> (float32 logits (1, V) of the last position, taps (T, n_taps * H) or None)."""

@@ -60,7 +60,9 @@ def read_safetensors(path, mmap: bool = True) -> dict[str, np.ndarray]:
     if size <= data_start:
         buf = np.zeros(0, np.uint8)
     elif mmap:
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        # a plain ndarray view of the mapping: np.memmap's indexing and views run Python code
+        # (__getitem__, __array_finalize__), which the decode step's embedding lookup paid every step
+        buf = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     else:
         buf = np.fromfile(path, dtype=np.uint8)
         buf.flags.writeable = False
