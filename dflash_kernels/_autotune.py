@@ -52,7 +52,7 @@ def machine_key(n_threads: int) -> str:
 
 @cache
 def _machine_key(tier: str | None, n_threads: int) -> str:
-    # memoized: linear with backend="auto" asks on every call, and the string cost ~3 us to build
+    # memoized: linear with backend="auto" asks on every call, and the string is not free to build
     from . import __version__
 
     return f"{_isa.cpu_model()} | tier {tier} | {n_threads} threads | torch {torch.__version__} | " \

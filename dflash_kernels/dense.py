@@ -309,7 +309,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
         if b.shape != (n,):
             raise ValueError(f"bias must have shape ({n},) to match weight {w.shape}, got {b.shape}")
     lead = xa.shape[:-1]
-    flat = len(lead) == 1  # x is (M, K) already: no reshapes (~0.3 us each)
+    flat = len(lead) == 1  # x is (M, K) already: no reshapes
     x2 = xa if flat else xa.reshape(math.prod(lead), k)  # (M, K)
     out = np.empty((x2.shape[0], n), np.float32)  # (M, N)
     if out.size and k == 0:  # an empty sum: only the bias is left
@@ -323,7 +323,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
             else:  # the other backends read the row-major layout
                 run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
         elif backend in ("auto", None) and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt) \
-                and resolve("auto", "dense")[0] == "cython":  # delegates first: ~0.2 us without a table
+                and resolve("auto", "dense")[0] == "cython":  # delegates first: it returns at once without a table
             torch_linear(x2, w, b, parts, out, nt)  # measured faster here
         else:
             run("dense", "linear", (x2, w, b), out, backend=backend, n_threads=nt, parts=parts)
@@ -403,7 +403,7 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
     if wa.shape != (h,):
         raise ValueError(f"w must have shape ({h},) to match x {xa.shape}, got {wa.shape}")
     eps, offset = _eps(eps), _offset(offset)
-    flat = xa.ndim == 2  # x is (M, H) already: no reshapes (~0.3 us each)
+    flat = xa.ndim == 2  # x is (M, H) already: no reshapes
     x2 = xa if flat else xa.reshape(-1, h)  # (M, H)
     out = np.empty(x2.shape, np.float32)
     torch_out = is_torch(x)

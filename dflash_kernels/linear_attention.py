@@ -48,7 +48,7 @@ def _checkpoint_slots(checkpoints, T: int) -> tuple[np.ndarray, int]:
     """(T,) int64: token t's state goes to checkpoint slot[t]; -1 = not kept. And the slots kept."""
     if checkpoints is True:
         return np.arange(T, dtype=np.int64), T
-    slot = np.empty(T, np.int64)  # not np.full: ~1 us more per call (Python code around empty + copyto)
+    slot = np.empty(T, np.int64)  # not np.full (Python code around empty + copyto)
     slot.fill(-1)
     if checkpoints is False or checkpoints is None:
         return slot, 0
