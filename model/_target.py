@@ -5,11 +5,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from .weights import as_f32
+from ._ops import Ops
+from .weights import as_f32, check_tensors, storage
 
 
 class TargetBase:
-    """Needs ``cfg``, ``ops``, ``embed``, ``lm_head`` and ``forward(ids, cache, last_only=, taps=)``."""
+    """Needs ``forward(ids, cache, last_only=, taps=)``; ``_load_shared`` sets the rest."""
+
+    def _load_shared(self, cfg, tensors: dict, origin: dict | None, shapes: dict, where: str, ops: Ops | None,
+                     prefill_chunk: int, fuse: bool, prefix: str = "model."):
+        """Check the tensors against ``shapes`` and set what every target holds: cfg, ops, eps,
+        prefill_chunk, the embedding, the LM head and the final norm. Returns the tensors as
+        storage arrays and the weight preparation (``ops.prepare`` when fusing: a packed copy where
+        Cython runs; else identity, so unfused weights stay memory-mapped)."""
+        check_tensors(tensors, origin or {}, shapes, where,
+                      optional=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+        self.cfg = cfg
+        self.ops = ops or Ops()
+        self.eps = cfg.rms_norm_eps
+        self.prefill_chunk = prefill_chunk
+        t = {k: storage(v) for k, v in tensors.items()}
+        self.embed = t[prefix + "embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
+        prep = self.ops.prepare if fuse else (lambda w: w)
+        # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
+        self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.lm_head = prep(self.lm_head_table)  # (V, H)
+        self.norm = as_f32(t[prefix + "norm.weight"])
+        return t, prep
 
     def set_taps(self, tap_layer_ids) -> None:
         """Layers whose output residual stream is returned as DFlash context features, in order."""

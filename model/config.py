@@ -110,6 +110,24 @@ class _Reader:
         if self.data.get("attention_bias"):
             self.fail("attention_bias", "true is not supported (Qwen3 has no attention bias)")
 
+    def decoder_shape(self, *, kv_default=None, head_dim_default=None, even_head_dim: bool = True) -> dict:
+        """The DecoderShape fields but rope_theta (its spelling differs by family), checked: the kv
+        heads divide the query heads, and head_dim is even where all of it is rotated.
+        head_dim_default may be a function of the query heads."""
+        heads = self.int("num_attention_heads")
+        kv = self.int("num_key_value_heads", kv_default)
+        if heads % kv:
+            self.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
+        if callable(head_dim_default):
+            head_dim_default = head_dim_default(heads)
+        head_dim = self.int("head_dim", head_dim_default)
+        if even_head_dim and head_dim % 2:
+            self.fail("head_dim", f"must be even for RoPE, got {head_dim}")
+        return dict(hidden_size=self.int("hidden_size"), intermediate_size=self.int("intermediate_size"),
+                    num_hidden_layers=self.int("num_hidden_layers"), num_attention_heads=heads,
+                    num_key_value_heads=kv, head_dim=head_dim,
+                    rms_norm_eps=self.float("rms_norm_eps", 1e-6, maximum=1.0))
+
     def layer_types(self, n_layers: int, default: str = "full_attention") -> list[str]:
         types = self.data.get("layer_types")
         if types is None:
@@ -122,12 +140,10 @@ class _Reader:
         return list(types)
 
 
-@dataclass(frozen=True)
-class Qwen3Config:
-    """Qwen3 dense target (architecture Qwen3ForCausalLM), or a Llama-family target
-    (LlamaForCausalLM: the same decoder layer without the per-head q/k norms, qk_norm False)."""
+@dataclass(frozen=True, kw_only=True)
+class DecoderShape:
+    """The sizes every decoder stack here has (targets and drafter alike)."""
 
-    vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -136,6 +152,22 @@ class Qwen3Config:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Config(DecoderShape):
+    """Qwen3 dense target (architecture Qwen3ForCausalLM), or a Llama-family target
+    (LlamaForCausalLM: the same decoder layer without the per-head q/k norms, qk_norm False)."""
+
+    vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str = "bfloat16"
@@ -147,18 +179,10 @@ class Qwen3Config:
     architecture: str = "Qwen3ForCausalLM"
     rope_scaling: tuple | None = None  # sorted (key, value) items of a linear / llama3 rope_scaling
 
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
     @functools.cached_property
     def rope_inv_freq(self):
         """Scaled RoPE frequencies for the kernels, or None for plain theta RoPE."""
         return _inv_freq(self)
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
 
 def _eos_ids(value, reader: _Reader, key: str) -> tuple[int, ...]:
@@ -192,16 +216,13 @@ def qwen3_config_from_dict(data: dict, path) -> Qwen3Config:
     if r.data.get("mlp_bias"):
         r.fail("mlp_bias", "true is not supported (no bias in the MLP)")
     scaling = r.rope_scaling()
-    n_layers = r.int("num_hidden_layers")
-    heads = r.int("num_attention_heads")
-    kv = r.int("num_key_value_heads", heads if llama else None)
-    if heads % kv:
-        r.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
     hidden = r.int("hidden_size")
-    # Qwen3 always states head_dim (0.6B, 4B differ from hidden / heads); Llama configs may omit it
-    head_dim = r.int("head_dim", hidden // heads if llama and hidden % heads == 0 else None)
-    if head_dim % 2:
-        r.fail("head_dim", f"must be even for RoPE, got {head_dim}")
+    # Qwen3 always states head_dim (0.6B, 4B differ from hidden / heads); Llama configs may omit it,
+    # and their kv heads too
+    shape = r.decoder_shape(
+        kv_default=r.data.get("num_attention_heads") if llama else None,
+        head_dim_default=lambda heads: hidden // heads if llama and hidden % heads == 0 else None)
+    n_layers = shape["num_hidden_layers"]
     window = None
     if r.data.get("use_sliding_window"):
         window = r.int("sliding_window")
@@ -209,14 +230,8 @@ def qwen3_config_from_dict(data: dict, path) -> Qwen3Config:
     if "sliding_attention" in types and window is None:
         window = r.int("sliding_window")
     return Qwen3Config(
+        **shape,
         vocab_size=r.int("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=r.int("intermediate_size"),
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
         rope_theta=r.rope_theta(10000.0 if llama else None),
         max_position_embeddings=r.int("max_position_embeddings", 40960),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
@@ -247,18 +262,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-@dataclass(frozen=True)
-class DFlashConfig:
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig(DecoderShape):
     """DFlash drafter (architecture DFlashDraftModel), Qwen3-style layers, no embedding / lm_head."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
     vocab_size: int | None
     block_size: int
     mask_token_id: int
@@ -275,14 +282,6 @@ class DFlashConfig:
     @functools.cached_property
     def rope_inv_freq(self):
         return _inv_freq(self)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -307,14 +306,8 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
         r.fail("dflash_config", f"must be an object, got {dcfg!r}")
     d = _Reader(dcfg, f"{path} (dflash_config)")
 
-    n_layers = r.int("num_hidden_layers")
-    heads = r.int("num_attention_heads")
-    kv = r.int("num_key_value_heads")
-    if heads % kv:
-        r.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
-    head_dim = r.int("head_dim")
-    if head_dim % 2:
-        r.fail("head_dim", f"must be even for RoPE, got {head_dim}")
+    shape = r.decoder_shape()
+    n_layers = shape["num_hidden_layers"]
 
     if "mask_token_id" in dcfg:
         mask = d.int("mask_token_id", minimum=0)
@@ -351,13 +344,7 @@ def load_dflash_config(drafter_dir, num_target_layers: int | None = None) -> DFl
 
     vocab = r.data.get("vocab_size")
     return DFlashConfig(
-        hidden_size=r.int("hidden_size"),
-        intermediate_size=r.int("intermediate_size"),
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
+        **shape,
         rope_theta=r.rope_theta(),
         vocab_size=r.int("vocab_size") if vocab is not None else None,
         block_size=block,

@@ -15,7 +15,7 @@ from dflash_kernels.layers import Qwen3Layer
 
 from ._ops import Ops
 from .config import DFlashConfig
-from .qwen3 import project_qkv, qwen3_layer_shapes
+from .qwen3 import composed_layers, qwen3_layer_shapes
 from .weights import as_f32, check_tensors, concat_rows, storage
 
 
@@ -136,7 +136,6 @@ class DFlashDrafter:
         B = n_draft + 1
         start = cache.length
         pos = np.arange(start, start + B, dtype=np.int64)
-        qd = c.q_dim
         x = np.empty((B, c.hidden_size), np.float32)  # (B, H) block residual stream
         x[0] = as_f32(self.embed[anchor])
         x[1:] = self.mask_embedding
@@ -144,17 +143,11 @@ class DFlashDrafter:
             for li, L in enumerate(self.layers):
                 ops.drafter_layer(x, L, cache.k[li], cache.v[li], start)
             return ops.rms_norm(x, self.norm, eps)
-        delta = None  # (B, H) MLP output not yet added to x
-        for li, L in enumerate(self.layers):
-            if delta is None:
-                h = ops.rms_norm(x, L.w_in, eps)
-            else:  # the previous layer's MLP residual add, fused into this norm
-                h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
-            q, k, v = project_qkv(ops, L, h, pos, c, eps)
-            o = ops.injected_attention(q, cache.k[li, :start], cache.v[li, :start], k, v, L.causal, L.window)
-            h, x = ops.add_rms_norm(ops.linear(o.reshape(B, qd), L.w_o), x, L.w_post, eps)
-            delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
-        return ops.add_rms_norm(delta, x, self.norm, eps)[0]
+
+        def attend(li, L, q, k, v):
+            return ops.injected_attention(q, cache.k[li, :start], cache.v[li, :start], k, v, L.causal, L.window)
+
+        return composed_layers(ops, self.layers, x, pos, c, eps, attend, self.norm)
 
     def draft(self, anchor: int, n_draft: int, cache: ContextCache) -> np.ndarray:
         """n_draft greedy draft tokens (argmax of rows 1..n_draft through the target's lm_head)."""

@@ -17,7 +17,7 @@ from dflash_kernels.layers import Qwen3Layer
 from ._ops import Ops
 from ._target import TargetBase
 from .config import Qwen3Config
-from .weights import as_f32, check_tensors, concat_rows, storage
+from .weights import as_f32, concat_rows
 
 
 def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
@@ -72,6 +72,33 @@ def project_qkv(ops, layer, h, pos, cfg, eps):
     return ops.rope(q, pos, cfg.rope_theta, inv_freq=freq), ops.rope(k, pos, cfg.rope_theta, inv_freq=freq), v
 
 
+def composed_layers(ops, layers, x, pos, cfg, eps, attend, final_norm=None, on_tap=None, tap_layers=()):
+    """Decoder layers over the residual stream x (T, H) as single ops (the path without the fused layer
+    calls), shared by targets and drafters: ``attend(li, layer, q, k, v)`` gives the attention output
+    (T, H_q, D) and stores what it must. Each layer's MLP residual add is fused into the next norm;
+    at ``tap_layers`` it is added at once and ``on_tap(li, x)`` sees the stream. Returns the stream
+    normed with ``final_norm``, or None without it."""
+    T = x.shape[0]
+    delta = None  # (T, H) MLP output not yet added to x
+    for li, L in enumerate(layers):
+        if delta is None:
+            h = ops.rms_norm(x, L.w_in, eps)
+        else:  # the previous layer's MLP residual add, fused into this norm
+            h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
+        q, k, v = project_qkv(ops, L, h, pos, cfg, eps)
+        o = attend(li, L, q, k, v)
+        h, x = ops.add_rms_norm(ops.linear(o.reshape(T, cfg.q_dim), L.w_o), x, L.w_post, eps)
+        delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
+        if li in tap_layers:
+            x, delta = x + delta, None
+            on_tap(li, x)
+    if final_norm is None:
+        return None
+    if delta is None:
+        return ops.rms_norm(x, final_norm, eps)
+    return ops.add_rms_norm(delta, x, final_norm, eps)[0]
+
+
 class KVCache:
     """Per-sequence KV cache: (layers, max_len, H_kv, D) K and V, float32 or bf16 (uint16) storage."""
 
@@ -109,21 +136,7 @@ class Qwen3Model(TargetBase):
                  tap_layer_ids=(), prefill_chunk: int = 512, fuse: bool = True, where: str = "target"):
         """fuse: stack [Wq; Wk; Wv] and [Wgate; Wup] into one bf16 copy per layer (fewer kernel calls);
         False keeps every weight memory-mapped (no copy at all)."""
-        check_tensors(tensors, origin or {}, qwen3_tensor_shapes(cfg), where,
-                      optional=("lm_head.weight",) if cfg.tie_word_embeddings else ())
-        self.cfg = cfg
-        self.ops = ops or Ops()
-        self.eps = cfg.rms_norm_eps
-        self.prefill_chunk = prefill_chunk
-        t = {k: storage(v) for k, v in tensors.items()}
-        self.embed = t["model.embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
-        # the matmul weights in linear's fastest layout here (packed where Cython runs: a copy, so
-        # only when fusing; unfused weights stay memory-mapped)
-        prep = self.ops.prepare if fuse else (lambda w: w)
-        # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
-        self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.lm_head = prep(self.lm_head_table)  # (V, H)
-        self.norm = as_f32(t["model.norm.weight"])
+        t, prep = self._load_shared(cfg, tensors, origin, qwen3_tensor_shapes(cfg), where, ops, prefill_chunk, fuse)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -185,25 +198,14 @@ class Qwen3Model(TargetBase):
             cache.length = start + T
             return ops.rms_norm(x, self.norm, eps) if want_hidden else None
         pos = np.arange(start, start + T, dtype=np.int64)
-        qd = c.q_dim
-        delta = None  # (T, H) MLP output not yet added to x
-        for li, L in enumerate(self.layers):
-            if delta is None:
-                h = ops.rms_norm(x, L.w_in, eps)
-            else:  # the previous layer's MLP residual add, fused into this norm
-                h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
-            q, k, v = project_qkv(ops, L, h, pos, c, eps)
+
+        def attend(li, L, q, k, v):
             cache.write(li, start, k, v)
             end = start + T
-            o = ops.cached_attention(q, cache.k[li, :end], cache.v[li, :end], window=L.window)  # (T, Hq, D)
-            h, x = ops.add_rms_norm(ops.linear(o.reshape(T, qd), L.w_o), x, L.w_post, eps)
-            delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
-            if tap_out is not None and li in self._tap_slot:
-                x, delta = x + delta, None
-                self._write_taps(tap_out, li, x)
+            return ops.cached_attention(q, cache.k[li, :end], cache.v[li, :end], window=L.window)  # (T, Hq, D)
+
+        taps = self._tap_slot if tap_out is not None else ()
+        hidden = composed_layers(ops, self.layers, x, pos, c, eps, attend, self.norm if want_hidden else None,
+                                 on_tap=lambda li, x: self._write_taps(tap_out, li, x), tap_layers=taps)
         cache.length = start + T
-        if not want_hidden:
-            return None
-        if delta is None:
-            return ops.rms_norm(x, self.norm, eps)
-        return ops.add_rms_norm(delta, x, self.norm, eps)[0]
+        return hidden

@@ -28,7 +28,7 @@ from ._ops import Ops
 from ._target import TargetBase
 from .qwen3 import KVCache
 from .qwen35_config import Qwen35Config
-from .weights import as_f32, check_tensors, concat_rows, storage
+from .weights import as_f32, concat_rows
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower and the MTP head: not used for decoding
 
@@ -181,20 +181,9 @@ class Qwen35Model(TargetBase):
         """tensors: the whole checkpoint (vision / MTP tensors are skipped). fuse: stack each layer's
         input projections into one in-RAM copy (one GEMM); False keeps every weight memory-mapped."""
         tensors = {k: v for k, v in tensors.items() if not k.startswith(SKIPPED_PREFIXES)}
-        check_tensors(tensors, origin or {}, qwen35_tensor_shapes(cfg), where,
-                      optional=("lm_head.weight",) if cfg.tie_word_embeddings else ())
-        self.cfg = cfg
-        self.ops = ops or Ops()
-        self.eps = cfg.rms_norm_eps
-        self.prefill_chunk = prefill_chunk
-        t = {k: storage(v) for k, v in tensors.items()}
         P = cfg.prefix
-        self.embed = t[P + "embed_tokens.weight"]  # (V, H), memory-mapped
-        prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
-        # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
-        self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.lm_head = prep(self.lm_head_table)
-        self.norm = as_f32(t[P + "norm.weight"])
+        t, prep = self._load_shared(cfg, tensors, origin, qwen35_tensor_shapes(cfg), where, ops, prefill_chunk, fuse,
+                                    prefix=P)
         self.layers = []
         n_full = n_lin = 0
         for i, kind in enumerate(cfg.layer_types):

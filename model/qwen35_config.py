@@ -16,26 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Qwen3Config, _eos_ids, _Reader, load_qwen3_config, read_json
+from .config import DecoderShape, Qwen3Config, _eos_ids, _Reader, load_qwen3_config, read_json
 
 QWEN35_ARCHS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
 QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 
-@dataclass(frozen=True)
-class Qwen35Config:
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Config(DecoderShape):
     """Qwen3.5 text model: Gated DeltaNet ("linear_attention") + gated full-attention layers."""
 
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
     partial_rotary_factor: float
     rotary_dim: int  # int(head_dim * partial_rotary_factor): RoPE on the first rotary_dim dims only
     max_position_embeddings: int
@@ -55,14 +47,6 @@ class Qwen35Config:
     def prefix(self) -> str:
         """Tensor name prefix of the text model."""
         return "model.language_model." if self.multimodal else "model."
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
     @property
     def lin_key_dim(self) -> int:
@@ -162,12 +146,9 @@ def load_qwen35_config(model_dir) -> Qwen35Config:
         r.fail("attention_bias", "true is not supported (Qwen3.5 has no attention bias)")
     if not r.bool("attn_output_gate", True):
         r.fail("attn_output_gate", "false is not supported (Qwen3.5 full attention is always gated)")
-    n_layers = r.int("num_hidden_layers")
-    heads = r.int("num_attention_heads")
-    kv = r.int("num_key_value_heads")
-    if heads % kv:
-        r.fail("num_key_value_heads", f"({kv}) must divide num_attention_heads ({heads})")
-    head_dim = r.int("head_dim", 256)
+    # partial RoPE: _rotary checks the rotated part's width, not head_dim's
+    shape = r.decoder_shape(head_dim_default=256, even_head_dim=False)
+    n_layers, head_dim = shape["num_hidden_layers"], shape["head_dim"]
     lin_k = r.int("linear_num_key_heads")
     lin_v = r.int("linear_num_value_heads")
     if lin_v % lin_k:
@@ -180,14 +161,8 @@ def load_qwen35_config(model_dir) -> Qwen35Config:
     tie = top.bool("tie_word_embeddings", tie_default) if nested else tie_default
     eos_src, eos_key = (r, "eos_token_id") if r.data.get("eos_token_id") is not None else (top, "eos_token_id")
     return Qwen35Config(
+        **shape,
         vocab_size=r.int("vocab_size"),
-        hidden_size=r.int("hidden_size"),
-        intermediate_size=r.int("intermediate_size"),
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=r.float("rms_norm_eps", 1e-6, maximum=1.0),
         rope_theta=theta,
         partial_rotary_factor=factor,
         rotary_dim=rotary_dim,
