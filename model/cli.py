@@ -266,6 +266,17 @@ def _check_paths(args) -> None:
             raise ValueError(f"--out {out}: cannot write there ({err.strerror or err})") from None
 
 
+def _training_args(p, source: str, source_help: str, *, layers: int, batch: int, lr: float) -> None:
+    """The arguments both training commands take (their defaults differ)."""
+    p.add_argument("--out", required=True, help="checkpoint directory (resumed when it holds train_state.pt)")
+    p.add_argument(source, required=True, help=source_help)
+    p.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    p.add_argument("--layers", type=int, default=layers, help="decoder layers")
+    p.add_argument("--batch", type=int, default=batch, help="sequences per step")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine schedule)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding on CPU kernels")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -338,27 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_tokenizer)
 
     p = sub.add_parser("train-target", help="train a small Qwen3 target on the stdlib (resumable)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json from train-tokenizer")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--threads", type=int, default=None)
+    _training_args(p, "--tokenizer", "tokenizer.json from train-tokenizer", layers=6, batch=16, lr=2e-3)
+    p.add_argument("--seq", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.set_defaults(func=cmd_train_target)
 
     p = sub.add_parser("train-drafter", help="train a DFlash drafter on the target's own outputs (resumable)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--target", required=True, help="target checkpoint directory or GGUF file")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--sequences", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--threads", type=int, default=None)
+    _training_args(p, "--target", "target checkpoint directory or GGUF file", layers=2, batch=8, lr=6e-4)
+    p.add_argument("--block-size", type=int, default=16, help="DFlash block (drafts + 1)")
+    p.add_argument("--sequences", type=int, default=2048, help="target continuations to train on")
     p.add_argument("--taps", type=int, nargs="+", default=None, metavar="LAYER",
                    help="target layers to read (default: the default rule of docs/dflash.md 6)")
     p.add_argument("--prompts", choices=("stdlib", "chat"), default="stdlib",

@@ -183,6 +183,32 @@ def save_loss_plot(log_path: Path, png: Path) -> bool:
     return True
 
 
+def _optimize(name: str, model, opt, step: int, steps: int, lr: float, warmup: int, step_loss, eval_every: int,
+              on_eval, log_path: Path, quiet: bool) -> int:
+    """The loop both trainers run from ``step`` to ``steps``: cosine learning rate (warmup capped at a
+    tenth of the run), clipped gradients of ``step_loss()``, a progress bar and a JSONL row per step;
+    every ``eval_every`` steps and at the end ``on_eval(row, step)`` adds its metrics and saves."""
+    bar = tqdm(total=steps, initial=step, desc=name, disable=quiet)
+    t0 = time.time()
+    while step < steps:
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, lr, warmup=min(warmup, steps // 10 + 1))
+        loss = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        row = {"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(time.time() - t0, 1)}
+        if step % eval_every == 0 or step == steps:
+            on_eval(row, step)
+        _log(log_path, **row)
+    bar.close()
+    return step
+
+
 def _save_state(path: Path, model, opt, step: int, extra: dict | None = None) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, **(extra or {})}, tmp)
@@ -237,26 +263,16 @@ def train_target(out_dir, tokenizer_json, *, steps=6000, batch=16, seq=256, lr=2
         model.train()
         return float(np.mean(losses))
 
-    bar = tqdm(total=steps, initial=step, desc="train-target", disable=quiet)
-    t0 = time.time()
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, lr, warmup=min(200, steps // 10 + 1))
+    def step_loss():
         x, y = batch_of(train_ids)
-        loss = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        row = {"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(time.time() - t0, 1)}
-        if step % eval_every == 0 or step == steps:
-            row["held_out_loss"] = round(held_out_loss(), 4)
-            _save_state(state_path, model, opt, step)
-        _log(log_path, **row)
-    bar.close()
+        return F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten())
+
+    def on_eval(row, step):
+        row["held_out_loss"] = round(held_out_loss(), 4)
+        _save_state(state_path, model, opt, step)
+
+    step = _optimize("train-target", model, opt, step, steps, lr, 200, step_loss, eval_every, on_eval, log_path,
+                     quiet)
     final = {"held_out_loss": held_out_loss(16), "steps": step, "n_params": sum(p.numel() for p in model.parameters())}
     save_target(model, out, Path(tokenizer_json), stop_ids=[eos, bos])
     (out / "train_result.json").write_text(json.dumps(final, indent=2) + "\n")
@@ -497,27 +513,15 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         tau = float(1.0 / (1.0 / (acc.cumprod(-1).sum(-1) + 1)).mean())
         return float(loss), tau
 
-    bar = tqdm(total=steps, initial=step, desc="train-drafter", disable=quiet)
-    t0 = time.time()
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 10 + 1))
-        idx = torch.randint(n_eval, n_all, (batch,), generator=gen)
-        loss, _ = batch_loss(idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        row = {"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(time.time() - t0, 1)}
-        if step % 250 == 0 or step == steps:
-            row["eval_loss"], row["eval_tau_estimate"] = (round(v, 4) for v in eval_metrics())
-            _save_state(state_path, drafter, opt, step)
-            save_drafter(drafter, out, tcfg, taps, mask_id, block_size)  # usable while training goes on
-        _log(log_path, **row)
-    bar.close()
+    def step_loss():
+        return batch_loss(torch.randint(n_eval, n_all, (batch,), generator=gen))[0]
+
+    def on_eval(row, step):
+        row["eval_loss"], row["eval_tau_estimate"] = (round(v, 4) for v in eval_metrics())
+        _save_state(state_path, drafter, opt, step)
+        save_drafter(drafter, out, tcfg, taps, mask_id, block_size)  # usable while training goes on
+
+    step = _optimize("train-drafter", drafter, opt, step, steps, lr, 100, step_loss, 250, on_eval, log_path, quiet)
     loss, tau = eval_metrics()
     final = {"eval_loss": loss, "eval_tau_estimate": tau, "steps": step, "taps": taps,
              "n_params": sum(p.numel() for p in drafter.parameters())}

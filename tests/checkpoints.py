@@ -93,30 +93,37 @@ def qwen3_config(*, hidden=64, inter=96, layers=3, heads=4, kv=2, head_dim=24, v
     return cfg
 
 
+def _lin(rng, n, k):
+    return rng.standard_normal((n, k)) / np.sqrt(k)
+
+
+def _norm(rng, n):
+    return 1.0 + 0.1 * rng.standard_normal(n)
+
+
+def _random_layer(rng, p: str, cfg: dict) -> dict[str, np.ndarray]:
+    """One Qwen3 decoder layer's random weights under prefix p (targets and drafters alike)."""
+    H, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return {
+        p + "input_layernorm.weight": _norm(rng, H), p + "post_attention_layernorm.weight": _norm(rng, H),
+        p + "self_attn.q_proj.weight": _lin(rng, nq * D, H), p + "self_attn.k_proj.weight": _lin(rng, nkv * D, H),
+        p + "self_attn.v_proj.weight": _lin(rng, nkv * D, H), p + "self_attn.o_proj.weight": _lin(rng, H, nq * D),
+        p + "self_attn.q_norm.weight": _norm(rng, D), p + "self_attn.k_norm.weight": _norm(rng, D),
+        p + "mlp.gate_proj.weight": _lin(rng, inter, H), p + "mlp.up_proj.weight": _lin(rng, inter, H),
+        p + "mlp.down_proj.weight": _lin(rng, H, inter),
+    }
+
+
 def qwen3_tensors(cfg: dict, seed: int = 0, hot_tokens: int = 0, hot_scale: float = 3.0) -> dict[str, np.ndarray]:
     """Random fp32 weights with sane magnitudes; hot_tokens > 0 scales the first lm_head rows so
     both the target and a random drafter favour a few tokens (drafts then get accepted sometimes)."""
     rng = np.random.default_rng(seed)
-    H, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-
-    def lin(n, k):
-        return rng.standard_normal((n, k)) / np.sqrt(k)
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n)
-
-    t = {"model.embed_tokens.weight": 0.5 * rng.standard_normal((V, H)), "model.norm.weight": norm(H)}
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    t = {"model.embed_tokens.weight": 0.5 * rng.standard_normal((V, H)), "model.norm.weight": _norm(rng, H)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t.update({
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": lin(nq * D, H), p + "self_attn.k_proj.weight": lin(nkv * D, H),
-            p + "self_attn.v_proj.weight": lin(nkv * D, H), p + "self_attn.o_proj.weight": lin(H, nq * D),
-            p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
-            p + "mlp.down_proj.weight": lin(H, inter),
-        })
+        t.update(_random_layer(rng, p, cfg))
     head = t["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else 0.5 * rng.standard_normal((V, H))
     if hot_tokens:
         # A direction shared by every embedding row survives into every final hidden state (target's
@@ -211,26 +218,12 @@ def dflash_config(target_cfg: dict, *, layers=2, block_size=16, target_layer_ids
 
 def dflash_tensors(cfg: dict, target_hidden: int, n_taps: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    H, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def lin(n, k):
-        return rng.standard_normal((n, k)) / np.sqrt(k)
-
-    def norm(n):
-        return 1.0 + 0.1 * rng.standard_normal(n)
-
-    t = {"fc.weight": lin(H, n_taps * target_hidden), "hidden_norm.weight": norm(H), "norm.weight": norm(H)}
+    H = cfg["hidden_size"]
+    t = {"fc.weight": _lin(rng, H, n_taps * target_hidden), "hidden_norm.weight": _norm(rng, H),
+         "norm.weight": _norm(rng, H)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        t.update({
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": lin(nq * D, H), p + "self_attn.k_proj.weight": lin(nkv * D, H),
-            p + "self_attn.v_proj.weight": lin(nkv * D, H), p + "self_attn.o_proj.weight": lin(H, nq * D),
-            p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
-            p + "mlp.down_proj.weight": lin(H, inter),
-        })
+        t.update(_random_layer(rng, p, cfg))
     return t
 
 

@@ -135,12 +135,17 @@ def _shard_of(target, name):
     return target / index["weight_map"][name], index
 
 
-def test_missing_tensor(target):
-    name = "model.layers.1.self_attn.k_norm.weight"
+def _drop_tensor(target, name):
+    """Remove tensor `name` from its shard and from the index."""
     shard, index = _shard_of(target, name)
     _rewrite(shard, lambda a: a.pop(name))
     del index["weight_map"][name]
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_missing_tensor(target):
+    name = "model.layers.1.self_attn.k_norm.weight"
+    _drop_tensor(target, name)
     with pytest.raises(dm.WeightsError, match=r"missing tensors \(1\): model.layers.1.self_attn.k_norm.weight"):
         dm.load(target)
 
@@ -164,11 +169,7 @@ def test_extra_tensor_and_wrong_shape(target):
 
 
 def test_untied_without_lm_head(target):
-    name = "lm_head.weight"
-    shard, index = _shard_of(target, name)
-    _rewrite(shard, lambda a: a.pop(name))
-    del index["weight_map"][name]
-    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    _drop_tensor(target, "lm_head.weight")
     with pytest.raises(dm.WeightsError, match="lm_head.weight"):
         dm.load(target)
     edit_json(target / "config.json", tie_word_embeddings=True)  # tied: lm_head = embed_tokens
