@@ -8,6 +8,12 @@ SHARED = {
     Threads to use; None = ``DFLASH_NUM_THREADS``, else the CPUs this process may run on.""",
     "backend": """backend : {"auto", "cython", "numba", "torch"}, default "auto"
     Implementation to run; "auto" takes the first available (``available_backends()``).""",
+    # every op but linear (whose backend entry says more)
+    "run_options": """{n_threads}
+{backend}""",
+    # the decoder-layer ops
+    "layer_precision": """precision : {"highest", "high", "medium"}, optional
+    As ``linear``; None = the process default.""",
     # the two attention ops
     "attention_precision": """precision : {"highest", "high", "medium"}, optional
     Of both products, see the module docstring; None = the process default
@@ -27,6 +33,18 @@ ndarray or torch.Tensor, shape (T_q, H_q, D)
 }
 
 
+def _expand(text: str) -> str:
+    """text with its own ``{name}`` lines filled (an entry may be built of others)."""
+    out = []
+    for line in text.splitlines():
+        key = line.strip()
+        if key.startswith("{") and key.endswith("}") and key[1:-1] in SHARED:
+            out += _expand(SHARED[key[1:-1]]).splitlines()
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def shared_doc(fn):
     """Fill the ``{name}`` lines of fn's docstring from SHARED (an unknown name is an error)."""
     lines = []
@@ -34,7 +52,7 @@ def shared_doc(fn):
         key = line.strip()
         if key.startswith("{") and key.endswith("}"):
             indent = line[: len(line) - len(line.lstrip())]
-            lines += [indent + part for part in SHARED[key[1:-1]].splitlines()]
+            lines += [indent + part for part in _expand(SHARED[key[1:-1]]).splitlines()]
         else:
             lines.append(line)
     fn.__doc__ = "\n".join(lines)

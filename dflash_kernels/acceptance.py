@@ -148,8 +148,7 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
     vocab_size : int, optional
         Upper bound for the ids. Only the used ids are checked: drafts at positions < num_draft[b],
         targets at positions <= num_draft[b].
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -312,8 +311,7 @@ def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: 
     generator : int, numpy.random.Generator or torch.Generator, optional
         Without uniforms, they are drawn from it (int seed, numpy Generator, torch.Generator; None
         (default) = fresh entropy) as a float64 (B, K+1, 2) array.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------

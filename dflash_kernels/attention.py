@@ -106,8 +106,7 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
     window : int, optional
         Sliding window w >= 1 (see above); None (default) = no window.
     {attention_precision}
-    {n_threads}
-    {backend}
+    {run_options}
 
     {attention_returns}
 
@@ -180,8 +179,7 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
     window : int, optional
         Sliding window w >= 1: only keys at positions j > p - w; None (default) = no window.
     {attention_precision}
-    {n_threads}
-    {backend}
+    {run_options}
 
     {attention_returns}
 

@@ -47,8 +47,7 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
     precision : {"highest", "high", "medium"}, optional
         Of the logits' products, as in ``linear`` (hidden rounded to bf16 parts); None = the process
         default (``set_matmul_precision``).
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -119,8 +118,7 @@ def make_draft_block(anchor_ids: Array, mask_token_id: int, block_size: int, *, 
         Tokens per block, in [1, 65536] (drafters use 8-32).
     vocab_size : int, optional
         When given, every id (anchors and mask_token_id) must lie below it.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------

@@ -24,8 +24,7 @@ def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str =
     ----------
     gate_up : ndarray or torch.Tensor, shape (M, 2*I)
         float32 or bf16: the gate and up projections side by side.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -365,8 +364,7 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
         0.0 for Qwen3's RMSNorm, 1.0 for the zero-centred norms of Qwen3.5 (weight stored as w - 1).
     residual : ndarray or torch.Tensor, shape (..., H), optional
         Like x; then the pre-norm residual add is fused in (see Returns). None (default): no residual.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -510,8 +508,7 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     out : ndarray or torch.Tensor, shape (T, H, D), optional
         float32 C-contiguous writeable array / tensor to write into; ``out=x`` rotates x in place (the
         model layer uses that for q and k). Partially overlapping buffers are not supported.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------

@@ -239,10 +239,8 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
         writable, one shape and one dtype, holding positions 0..start-1; max_len >= start + T.
     start : int
         Position of the first row, >= 0.
-    precision : {"highest", "high", "medium"}, optional
-        As ``linear``; None = the process default.
-    {n_threads}
-    {backend}
+    {layer_precision}
+    {run_options}
 
     Returns
     -------
@@ -298,10 +296,8 @@ def drafter_layer(x: Array, layer: Qwen3Layer, k_ctx: Array, v_ctx: Array, *, pr
     k_ctx, v_ctx : ndarray or torch.Tensor, shape (T_ctx, H_kv, D)
         The context's K (after k_norm and RoPE) and V, float32 or bf16, C-contiguous, one shape and one
         dtype; read only.
-    precision : {"highest", "high", "medium"}, optional
-        As ``linear``; None = the process default.
-    {n_threads}
-    {backend}
+    {layer_precision}
+    {run_options}
 
     Returns
     -------

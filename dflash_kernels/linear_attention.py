@@ -103,8 +103,7 @@ def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
         Preallocated float32 C-contiguous writable buffer for the checkpoints (reuse it across rounds:
         a fresh n_kept x 2 MiB allocation per call costs page faults on top of the memory-bound
         copies).
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -223,8 +222,7 @@ def causal_conv1d(x: Array, weight: Array, conv_state: Array, *, activation: str
         SiLU, or None for no activation.
     checkpoints : bool, default False
         Also return the conv states after every token (the compact alternative: ``conv_state_at``).
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -339,8 +337,7 @@ def gated_rms_norm(x: Array, z: Array, weight: Array, eps: float = 1e-6, *, n_th
         Ones-centred (NOT the zero-centred 1 + w of the other Qwen3.5 norms), float32 or bf16.
     eps : float, default 1e-6
         Finite, >= 0.
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------
@@ -441,8 +438,7 @@ def apply_output_gate(o: Array, gate: Array, *, n_threads: int | None = None, ba
         Attention output, float32 or bf16.
     gate : ndarray or torch.Tensor, shape (T, H*D)
         float32 or bf16 (``split_query_gate``'s gate).
-    {n_threads}
-    {backend}
+    {run_options}
 
     Returns
     -------

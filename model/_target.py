@@ -33,6 +33,17 @@ class TargetBase:
         self.norm = as_f32(t[prefix + "norm.weight"])
         return t, prep
 
+    @staticmethod
+    def _forward_ids(ids, cache) -> np.ndarray:
+        """ids as a flat int64 array of at least one token that fits in the cache."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        T = ids.shape[0]
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
+        return ids
+
     def set_taps(self, tap_layer_ids) -> None:
         """Layers whose output residual stream is returned as DFlash context features, in order."""
         L = self.cfg.num_hidden_layers

@@ -175,12 +175,7 @@ class Qwen3Model(TargetBase):
         ``on_taps`` each chunk's taps go to ``on_taps(chunk_taps)`` as soon as they exist (a long
         prompt's taps are never held all at once) and the returned taps are None.
         """
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        T = ids.shape[0]
-        if T == 0:
-            raise ValueError("forward needs at least one token")
-        if cache.length + T > cache.max_len:
-            raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
+        ids = self._forward_ids(ids, cache)
         return self._run_chunks(ids, max(1, self.prefill_chunk), last_only, taps, on_taps,
                                 lambda rows, buf, want: self._forward_rows(rows, cache, buf, want))
 

@@ -237,12 +237,8 @@ class Qwen35Model(TargetBase):
         start+1 .. start+T; None (default) = on for blocks of 2 .. cache.record_limit rows when not
         last_only (verification), off for prompts (last_only) and single tokens.
         """
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = self._forward_ids(ids, cache)
         T = ids.shape[0]
-        if T == 0:
-            raise ValueError("forward needs at least one token")
-        if cache.length + T > cache.max_len:
-            raise ValueError(f"KV cache overflow: {cache.length} + {T} tokens > max_len {cache.max_len}")
         if checkpoints is None:
             checkpoints = not last_only and 1 < T <= cache.record_limit
         chunk = T if checkpoints else max(1, self.prefill_chunk)  # a recorded block runs in one piece

@@ -103,12 +103,15 @@ cdef int sample_sequence(Py_ssize_t b, const int64_t[:, ::1] drafts, const wtype
     return OK
 
 
-cdef void run_batch(const int64_t[:, ::1] drafts, const wtype *logits, const wtype *q, bint has_q,
+cdef void run_batch(const int64_t[:, ::1] drafts, const wtype[:, :, ::1] logits_v, const wtype[:, :, ::1] q_v, bint has_q,
                     Py_ssize_t v_sz, const int64_t[::1] num_draft, const double[:, :, ::1] uniforms,
                     int64_t[::1] num_accepted, int64_t[:, ::1] out, int64_t[::1] status,
                     float inv_t, bint greedy, Py_ssize_t top_k, double top_p,
                     float[:, :, ::1] scratch, double[:, :, ::1] sums) noexcept nogil:
     cdef Py_ssize_t w, b, i, n_workers = scratch.shape[0], b_sz = drafts.shape[0], k = drafts.shape[1]
+    # B = 0 or k = 0: nothing to read
+    cdef const wtype *logits = &logits_v[0, 0, 0] if logits_v.shape[0] else NULL
+    cdef const wtype *q = &q_v[0, 0, 0] if q_v.shape[0] * q_v.shape[1] else NULL
     for w in prange(n_workers, num_threads=n_workers, schedule="static"):
         # fixed contiguous slices of the batch: the thread count cannot change a result
         for b in range(w * b_sz // n_workers, (w + 1) * b_sz // n_workers):
@@ -140,13 +143,11 @@ def rejection_sample(const int64_t[:, ::1] drafts, logits, draft_probs, const in
         lf = logits
         qf = draft_probs if has_q else np.zeros((1, 1, 1), np.float32)
         with nogil:
-            run_batch(drafts, &lf[0, 0, 0] if lf.shape[0] else NULL,  # B = 0 or k = 0: nothing to read
-                      &qf[0, 0, 0] if qf.shape[0] * qf.shape[1] else NULL, has_q, v_sz, num_draft, u, num_accepted, out,
-                      status, inv_t, greedy, top_k, top_p, scratch, sums)
+            run_batch(drafts, lf, qf, has_q, v_sz, num_draft, u, num_accepted, out, status, inv_t, greedy, top_k,
+                      top_p, scratch, sums)
     else:
         lu = logits
         qu = draft_probs if has_q else np.zeros((1, 1, 1), np.uint16)
         with nogil:
-            run_batch(drafts, &lu[0, 0, 0] if lu.shape[0] else NULL,  # B = 0 or k = 0: nothing to read
-                      &qu[0, 0, 0] if qu.shape[0] * qu.shape[1] else NULL, has_q, v_sz, num_draft, u, num_accepted, out,
-                      status, inv_t, greedy, top_k, top_p, scratch, sums)
+            run_batch(drafts, lu, qu, has_q, v_sz, num_draft, u, num_accepted, out, status, inv_t, greedy, top_k,
+                      top_p, scratch, sums)
