@@ -11,6 +11,11 @@ SHARED = {
     # every op but linear (whose backend entry says more)
     "run_options": """{n_threads}
 {backend}""",
+    # the two acceptance ops
+    "acceptance_returns": """Returns
+-------
+num_accepted : ndarray or torch.Tensor, shape (B,)
+    int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.""",
     # the decoder-layer ops
     "layer_precision": """precision : {"highest", "high", "medium"}, optional
     As ``linear``; None = the process default.""",
@@ -18,6 +23,10 @@ SHARED = {
     "attention_precision": """precision : {"highest", "high", "medium"}, optional
     Of both products, see the module docstring; None = the process default
     (``set_matmul_precision``).""",
+    "attention_tail": """{attention_precision}
+{run_options}
+
+{attention_returns}""",
     "attention_returns": """Returns
 -------
 ndarray or torch.Tensor, shape (T_q, H_q, D)
@@ -52,7 +61,7 @@ def shared_doc(fn):
         key = line.strip()
         if key.startswith("{") and key.endswith("}"):
             indent = line[: len(line) - len(line.lstrip())]
-            lines += [indent + part for part in _expand(SHARED[key[1:-1]]).splitlines()]
+            lines += [indent + part if part else "" for part in _expand(SHARED[key[1:-1]]).splitlines()]
         else:
             lines.append(line)
     fn.__doc__ = "\n".join(lines)

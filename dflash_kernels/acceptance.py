@@ -150,10 +150,7 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
         targets at positions <= num_draft[b].
     {run_options}
 
-    Returns
-    -------
-    num_accepted : ndarray or torch.Tensor, shape (B,)
-        int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.
+    {acceptance_returns}
     out_tokens : ndarray or torch.Tensor, shape (B, K+1)
         int64: the accepted drafts, then target_tokens[b, a] (correction or bonus), then -1 padding;
         (K+1,) for unbatched inputs. num_accepted + 1 tokens are emitted. Torch tensors if
@@ -313,10 +310,7 @@ def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: 
         (default) = fresh entropy) as a float64 (B, K+1, 2) array.
     {run_options}
 
-    Returns
-    -------
-    num_accepted : ndarray or torch.Tensor, shape (B,)
-        int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.
+    {acceptance_returns}
     out_tokens : ndarray or torch.Tensor, shape (B, K+1)
         int64: the accepted drafts, then the replacement or bonus token, then -1 padding; (K+1,) for
         unbatched inputs. Torch tensors if draft_tokens or target_logits is one.

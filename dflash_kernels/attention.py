@@ -105,10 +105,7 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
         Query i sees block keys 0..i only (and all context).
     window : int, optional
         Sliding window w >= 1 (see above); None (default) = no window.
-    {attention_precision}
-    {run_options}
-
-    {attention_returns}
+    {attention_tail}
 
     Raises
     ------
@@ -178,10 +175,7 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
         Scale of the scores ``q K^T``; None (default) = D**-0.5.
     window : int, optional
         Sliding window w >= 1: only keys at positions j > p - w; None (default) = no window.
-    {attention_precision}
-    {run_options}
-
-    {attention_returns}
+    {attention_tail}
 
     Raises
     ------
