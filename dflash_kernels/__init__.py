@@ -28,6 +28,7 @@ from ._isa import active_tier, set_isa
 from ._precision import get_matmul_precision, set_matmul_precision
 from .acceptance import accept_greedy, filtered_probs, rejection_sample
 from .attention import cached_attention, injected_kv_attention
+from .bound import BoundOps
 from .denoise import denoise_block, make_draft_block
 from .dense import (
     PackedWeight,
@@ -67,6 +68,7 @@ __all__ = [
     "apply_rope",
     "rope_inv_freq",
     "available_backends",
+    "BoundOps",
     "cached_attention",
     "denoise_block",
     "injected_kv_attention",

@@ -69,7 +69,7 @@ def run_environment(eng) -> dict:
     return {"threads": ops.kw["n_threads"], "backend": ops.kw["backend"], "precision": ops.precision,
             "kv_dtype": getattr(eng, "kv_dtype", "float32"),
             "machine": {"cpu": _isa.cpu_model(), "isa_flags": isa_summary(), "machine_tier": _isa.machine_tier(),
-                        "tier": getattr(ops._dense, "TIER", None)},
+                        "tier": ops.tier},
             "versions": {"dflash_kernels": dk.__version__, "numpy": np.__version__, "numba": numba.__version__,
                          "torch": torch.__version__}}
 
@@ -193,7 +193,7 @@ def _tune_key(eng) -> str:
     as the CPUs, whatever the contention governor runs at the moment), the ISA tier and the matmul
     precision and KV cache storage (a k tuned on AMX is too long for the same pair capped to AVX2)."""
     ops = eng.ops
-    tier = getattr(ops._dense, "TIER", "numba") if ops._dense is not None else "torch"
+    tier = ops.tier or ops.kw["backend"]  # numba / torch have no Cython tier
     threads = ops.governor.n_max if ops.governor is not None else ops.kw["n_threads"]
     return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={threads}"
             f"|tier={tier}|precision={ops.precision}|kv={getattr(eng, 'kv_dtype', 'float32')}")

@@ -125,7 +125,7 @@ class DFlashDrafter:
         for li, L in enumerate(self.layers):
             off = 2 * kvd * li
             k = ops.rms_norm(kv[:, off : off + kvd].reshape(S * Hkv, D), L.k_norm, eps).reshape(S, Hkv, D)
-            cache.k[li, start : start + S] = ops.rope(k, pos, c.rope_theta, inv_freq=c.rope_inv_freq)
+            cache.k[li, start : start + S] = ops.apply_rope(k, pos, c.rope_theta, inv_freq=c.rope_inv_freq, out=k)
             cache.v[li, start : start + S] = kv[:, off + kvd : off + 2 * kvd].reshape(S, Hkv, D)
         cache.length = start + S
 
@@ -145,7 +145,8 @@ class DFlashDrafter:
             return ops.rms_norm(x, self.norm, eps)
 
         def attend(li, L, q, k, v):
-            return ops.injected_attention(q, cache.k[li, :start], cache.v[li, :start], k, v, L.causal, L.window)
+            return ops.injected_kv_attention(q, cache.k[li, :start], cache.v[li, :start], k, v,
+                                             causal_block=L.causal, window=L.window)
 
         return composed_layers(ops, self.layers, x, pos, c, eps, attend, self.norm)
 

@@ -69,7 +69,8 @@ def project_qkv(ops, layer, h, pos, cfg, eps):
         k = ops.rms_norm(qkv[:, qd : qd + kvd].reshape(T * Hkv, D), layer.k_norm, eps).reshape(T, Hkv, D)
     v = qkv[:, qd + kvd :].reshape(T, Hkv, D)
     freq = cfg.rope_inv_freq  # None unless rope_scaling
-    return ops.rope(q, pos, cfg.rope_theta, inv_freq=freq), ops.rope(k, pos, cfg.rope_theta, inv_freq=freq), v
+    return (ops.apply_rope(q, pos, cfg.rope_theta, inv_freq=freq, out=q),
+            ops.apply_rope(k, pos, cfg.rope_theta, inv_freq=freq, out=k), v)
 
 
 def composed_layers(ops, layers, x, pos, cfg, eps, attend, final_norm=None, on_tap=None, tap_layers=()):
@@ -84,10 +85,10 @@ def composed_layers(ops, layers, x, pos, cfg, eps, attend, final_norm=None, on_t
         if delta is None:
             h = ops.rms_norm(x, L.w_in, eps)
         else:  # the previous layer's MLP residual add, fused into this norm
-            h, x = ops.add_rms_norm(delta, x, L.w_in, eps)
+            h, x = ops.rms_norm(delta, L.w_in, eps, residual=x)
         q, k, v = project_qkv(ops, L, h, pos, cfg, eps)
         o = attend(li, L, q, k, v)
-        h, x = ops.add_rms_norm(ops.linear(o.reshape(T, cfg.q_dim), L.w_o), x, L.w_post, eps)
+        h, x = ops.rms_norm(ops.linear(o.reshape(T, cfg.q_dim), L.w_o), L.w_post, eps, residual=x)
         delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
         if li in tap_layers:
             x, delta = x + delta, None
@@ -96,7 +97,7 @@ def composed_layers(ops, layers, x, pos, cfg, eps, attend, final_norm=None, on_t
         return None
     if delta is None:
         return ops.rms_norm(x, final_norm, eps)
-    return ops.add_rms_norm(delta, x, final_norm, eps)[0]
+    return ops.rms_norm(delta, final_norm, eps, residual=x)[0]
 
 
 class KVCache:

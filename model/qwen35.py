@@ -257,8 +257,8 @@ class Qwen35Model(TargetBase):
         k = ops.rms_norm(qkv[:, 2 * qd : 2 * qd + kvd].reshape(T * Hkv, D), L.k_norm, eps, offset=1.0)
         k = k.reshape(T, Hkv, D)
         v = qkv[:, 2 * qd + kvd :].reshape(T, Hkv, D)
-        q = ops.rope(q, pos, c.rope_theta, c.rotary_dim)  # first rotary_dim dims only
-        k = ops.rope(k, pos, c.rope_theta, c.rotary_dim)
+        q = ops.apply_rope(q, pos, c.rope_theta, c.rotary_dim, out=q)  # first rotary_dim dims only
+        k = ops.apply_rope(k, pos, c.rope_theta, c.rotary_dim, out=k)
         start = int(pos[0])
         cache.kv.write(slot, start, k, v)
         end = start + T
@@ -305,12 +305,12 @@ class Qwen35Model(TargetBase):
             if delta is None:
                 h = ops.rms_norm(x, L.w_in, eps, offset=1.0)
             else:  # the previous layer's MLP residual add, fused into this norm
-                h, x = ops.add_rms_norm(delta, x, L.w_in, eps, offset=1.0)
+                h, x = ops.rms_norm(delta, L.w_in, eps, offset=1.0, residual=x)
             if isinstance(L.mixer, _FullLayer):
                 out = self._full_attention(L.mixer, L.slot, h, cache, pos)
             else:
                 out = self._linear_attention(L.mixer, L.slot, h, cache, rec)
-            h, x = ops.add_rms_norm(out, x, L.w_post, eps, offset=1.0)
+            h, x = ops.rms_norm(out, L.w_post, eps, offset=1.0, residual=x)
             delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
             if tap_out is not None and li in self._tap_slot:
                 x, delta = x + delta, None
@@ -321,7 +321,7 @@ class Qwen35Model(TargetBase):
             return None
         if delta is None:
             return ops.rms_norm(x, self.norm, eps, offset=1.0)
-        return ops.add_rms_norm(delta, x, self.norm, eps, offset=1.0)[0]
+        return ops.rms_norm(delta, self.norm, eps, offset=1.0, residual=x)[0]
 
     def verify(self, tokens, cache: HybridCache):
         """[anchor, drafts...] (k+1 tokens) -> (float32 logits (k+1, V), taps); keeps per-row linear

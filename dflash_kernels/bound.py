@@ -1,0 +1,272 @@
+"""``BoundOps``: the ops bound to one thread count, backend and precision, for callers that own their
+buffers (the model layer, engines).
+
+A public op converts and checks its arguments, resolves the backend and reads the environment on
+every call: a few microseconds, which a small model's decode step pays some 45 times. ``BoundOps``
+pays the settings once, at construction, and calls the compiled kernel directly wherever the operands
+are what an engine's own buffers are (numpy, float32 or bf16-as-uint16, C-contiguous, shapes that
+agree); anything else goes to the public op, with its checks and messages. The results are the same
+bits either way. The choices of kernel path live here too, so every caller gets them: a tuned shape
+delegated to torch (``tune_linear``), the LM head's greedy pass, whole compiled decoder layers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from . import linear_attention as _la
+from ._autotune import delegates, torch_linear
+from ._backends import kernel_module, resolve
+from ._precision import check_precision, parts as precision_parts
+from ._threads import ContentionGovernor, resolve_threads
+from .acceptance import accept_greedy, filtered_probs, rejection_sample
+from .attention import cached_attention, injected_kv_attention
+from .denoise import denoise_block
+from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
+from .layers import run_qwen3_layer
+
+_FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
+_W_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+
+
+def _plain(a, ndim=None) -> bool:
+    """A C-contiguous float32 numpy array (of `ndim` dimensions): safe for a direct kernel call."""
+    return (type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
+            and (ndim is None or a.ndim == ndim))
+
+
+def _plain_ids(a, ndim: int) -> bool:
+    """A C-contiguous int64 numpy array of `ndim` dimensions."""
+    return type(a) is np.ndarray and a.dtype == np.int64 and a.flags.c_contiguous and a.ndim == ndim
+
+
+def _fixed_backend(backend):
+    """The backend "auto" resolves to when it is the same for every kernel family, else "auto"."""
+    if backend != "auto":
+        return backend
+    names = {resolve("auto", family)[0] for family in _FAMILIES}
+    return names.pop() if len(names) == 1 else "auto"
+
+
+class BoundOps:
+    """The public ops with n_threads, backend and precision fixed at construction.
+
+    Each method computes what the public op of its name computes (``linear`` also takes a tuple of
+    row blocks; ``cached_attention`` is causal). n_threads=None: the CPUs this process may run on,
+    fewer while other processes take the cores (``adapt_threads``, asked once per step; results do
+    not depend on it). precision=None: the process default, read once, so that every matmul of a
+    model computes the same way.
+
+    Examples
+    --------
+    >>> ops = dk.BoundOps(n_threads=1)
+    >>> x, w = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32)
+    >>> ops.linear(x, w)
+    array([[3., 3., 3., 3.],
+           [3., 3., 3., 3.]], dtype=float32)
+    >>> ops.rms_norm(x, np.ones(3, np.float32), 1e-6).round(3)
+    array([[1., 1., 1.],
+           [1., 1., 1.]], dtype=float32)
+    """
+
+    def __init__(self, n_threads: int | None = None, backend: str = "auto", precision: str | None = None):
+        self.n_threads, self.backend = n_threads, backend
+        self.precision = check_precision(precision)
+        self._parts = precision_parts(self.precision)
+        # "auto" and n_threads=None resolved once: per call they would read the environment again
+        self.kw = {"n_threads": resolve_threads(n_threads), "backend": _fixed_backend(backend)}
+        name = self.kw["backend"]
+        direct = name in ("cython", "numba")
+        self._dense = kernel_module("dense", name) if direct else None
+        self._linear_packed = getattr(self._dense, "linear_packed", None)  # Cython only
+        self._attention = kernel_module("attention", name) if direct else None
+        self._acceptance = kernel_module("acceptance", name) if direct else None
+        self.tier = getattr(self._dense, "TIER", None)  # the Cython tier that runs, None elsewhere
+        self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
+        self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
+        self._n = self.kw["n_threads"]
+        self.governor = ContentionGovernor(self._n) if n_threads is None else None
+        # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
+        # tiles on every tier where Cython runs (bench/bench_denoise.py), and the (rows, V) float32
+        # logits are small
+        self.block_head_linear = name == "cython"
+        # whole decoder layers in one compiled call where the Cython kernels run;
+        # DFLASH_FUSED_LAYERS=0 composes the single ops instead (the same bits, slower)
+        self.fused_layers = self._linear_packed is not None and os.environ.get("DFLASH_FUSED_LAYERS", "1") != "0"
+
+    def adapt_threads(self) -> int:
+        """With default threads, the count for the next kernels: fewer while other processes take the
+        cores (the governor tries more again after a while). Returns the count."""
+        if self.governor is not None:
+            n = self.governor.update()
+            if n != self._n:
+                self._n = self.kw["n_threads"] = n
+        return self._n
+
+    def prepare(self, w):
+        """w in the layout ``linear`` runs fastest here (``prepare_weight``: a packed copy where the
+        Cython kernels run, else w). Tuples (unfused row blocks) stay as they are."""
+        if isinstance(w, tuple):
+            return w
+        return prepare_weight(w, backend=self.kw["backend"])
+
+    def linear(self, x, w):
+        """x (M, K) @ w^T; w (N, K), a PackedWeight, or a tuple of row blocks (outputs side by side)."""
+        return self._matmul(x, w)
+
+    def _matmul(self, x, w):
+        if isinstance(w, tuple):
+            self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
+        else:  # one weight, every step: a plain add, no generator
+            self.linear_shapes.add(w.shape[:2])
+        if isinstance(w, PackedWeight):
+            if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
+                out = np.empty((x.shape[0], w.shape[0]), np.float32)
+                self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts,
+                                    weights_finite=w.finite)
+                return out
+            return linear(x, w, precision=self.precision, **self.kw)
+        if isinstance(w, tuple):
+            return np.concatenate([linear(x, part, precision=self.precision, **self.kw) for part in w], axis=-1)
+        if (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
+                and x.shape[1] == w.shape[1] and x.size and w.size):
+            out = np.empty((x.shape[0], w.shape[0]), np.float32)
+            if self._auto and delegates(x.shape[0], w.shape[0], w.shape[1], w.dtype == np.uint16, self._parts,
+                                        self._n):
+                torch_linear(x, w, None, self._parts, out, self._n)  # measured faster here (tune_linear)
+            else:
+                self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
+            return out
+        return linear(x, w, precision=self.precision, **self.kw)
+
+    def qwen3_layer(self, x, layer, k_cache, v_cache, start):
+        """x (T, H) <- layer(x) in place, one compiled call (``layer.fused``, Cython): as the public
+        ``qwen3_layer``, the layer's K/V rows go into k_cache / v_cache (max_len, H_kv, D) at start."""
+        run_qwen3_layer(self._dense, x, layer, k_cache, v_cache, start, self._parts, self._n)
+
+    def drafter_layer(self, x, layer, k_ctx, v_ctx, n_ctx):
+        """x (T, H) <- a DFlash drafter layer(x) in place, one compiled call: the block over the context
+        K/V rows 0..n_ctx-1 of k_ctx / v_ctx (max_len, H_kv, D) and its own K/V (not stored)."""
+        run_qwen3_layer(self._dense, x, layer, k_ctx, v_ctx, n_ctx, self._parts, self._n, append=False)
+
+    def rms_norm(self, x, w, eps, *, offset=0.0, residual=None):
+        """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w)). With a
+        residual: (rms_norm(x + residual), x + residual), the pre-norm residual add fused in."""
+        if self._dense is not None and _plain(x) and x.size and _plain(w, 1) and w.shape[0] == x.shape[-1]:
+            if residual is None:
+                out = np.empty_like(x)
+                self._dense.rms_norm(x.reshape(-1, w.shape[0]), w, out.reshape(-1, w.shape[0]), n_threads=self._n,
+                                     eps=eps, offset=offset)
+                return out
+            if x.ndim == 2 and _plain(residual, 2) and residual.shape == x.shape:
+                out, new_res = np.empty_like(x), np.empty_like(x)
+                self._dense.rms_norm_residual(x, residual, w, out, new_res, n_threads=self._n, eps=eps,
+                                              offset=offset)
+                return out, new_res
+        return rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
+
+    def apply_rope(self, x, positions, theta, rotary_dim=None, *, inv_freq=None, out=None):
+        """RoPE over the first rotary_dim dims (default D) of x (T, H, D); out=x rotates in place."""
+        rd = x.shape[-1] if rotary_dim is None else rotary_dim
+        if (self._dense is not None and _plain(x, 3) and x.size
+                and isinstance(positions, np.ndarray) and positions.dtype == np.int64
+                and positions.shape == (x.shape[0],) and positions.flags.c_contiguous
+                and (out is None or (out is x and x.flags.writeable))):
+            out = np.empty_like(x) if out is None else out
+            self._dense.apply_rope(x, positions, out, n_threads=self._n, theta=float(theta), rotary_dim=int(rd),
+                                   inv_freq=inv_freq)
+            return out
+        return apply_rope(x, positions, theta, rotary_dim, inv_freq=inv_freq, out=out, **self.kw)
+
+    def silu_and_mul(self, gate_up):
+        if self._dense is not None and _plain(gate_up, 2) and gate_up.size and gate_up.shape[1] % 2 == 0:
+            out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+            self._dense.silu_and_mul(gate_up, out, n_threads=self._n)
+            return out
+        return silu_and_mul(gate_up, **self.kw)
+
+    def cached_attention(self, q, k, v, *, window=None):
+        """Causal attention of q's rows, the last positions of the cache rows k / v."""
+        if (self._attention is not None and _plain(q, 3) and type(k) is np.ndarray and k.flags.c_contiguous
+                and k.dtype in _W_DTYPES and type(v) is np.ndarray and v.dtype == k.dtype and v.flags.c_contiguous
+                and k.ndim == 3 and v.shape == k.shape and q.shape[0] <= k.shape[0] and q.shape[2] == k.shape[2]
+                and q.shape[1] % k.shape[1] == 0):
+            out = np.empty(q.shape, np.float32)
+            self._attention.cached_attention(q, k, v, out, n_threads=self._n, causal=True,
+                                             scale=q.shape[2] ** -0.5, window=window, parts=self._parts)
+            return out
+        return cached_attention(q, k, v, causal=True, window=window, precision=self.precision, **self.kw)
+
+    def injected_kv_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, *, causal_block=False, window=None):
+        return injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=causal_block, window=window,
+                                     precision=self.precision, **self.kw)
+
+    def argmax_tokens(self, hidden, lm_head):
+        """Greedy token per row of final-normed hidden (rows, H): argmax of hidden @ lm_head^T, the
+        first on ties, as ``denoise_block`` at temperature 0; int64 (rows,)."""
+        if hidden.shape[0] <= 4 or (self.block_head_linear and hidden.shape[0] <= 64) \
+                or isinstance(lm_head, PackedWeight):
+            # Decode: linear's read-once GEMV path streams the head faster than denoise_block's
+            # vocab-chunked tiles, and (1..4, V) logits are small; np.argmax keeps the first index on ties
+            logits = np.asarray(self._matmul(hidden, lm_head))
+            out = np.argmax(logits, axis=1)
+            # argmax picks a NaN (or +inf) wherever there is one: non-finite logits raise here as
+            # they do in denoise_block and rejection_sample, instead of choosing a token silently
+            if len(out) == 1:  # decode: one scalar test instead of the fancy index below
+                bad_row = None if math.isfinite(logits[0, out[0]]) else 0
+            else:
+                bad = ~np.isfinite(logits[np.arange(len(out)), out])
+                bad_row = int(np.flatnonzero(bad)[0]) if bad.any() else None
+            if bad_row is not None:
+                raise ValueError(f"logits row {bad_row} is not finite (NaN or inf in the weights or activations)")
+        else:
+            out = denoise_block(hidden, lm_head, temperature=0.0, precision=self.precision, **self.kw)
+        return np.asarray(out, dtype=np.int64)
+
+    # -- Qwen3.5 hybrid layers (dflash_kernels.linear_attention) -----------------------------------
+
+    def causal_conv1d(self, x, weight, conv_state):
+        """GDN short conv + SiLU over (T, C); conv_state (C, K-1) updated in place."""
+        return _la.causal_conv1d(x, weight, conv_state, activation="silu", **self.kw)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, checkpoints=False):
+        """o (T, H_v, d_v), or (o, per-token states) with checkpoints; state updated in place."""
+        return _la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=checkpoints, **self.kw)
+
+    def gated_rms_norm(self, x, z, w, eps):
+        return _la.gated_rms_norm(x, z, w, eps, **self.kw)
+
+    def split_query_gate(self, qg, n_heads, head_dim):
+        return _la.split_query_gate(qg, n_heads, head_dim)
+
+    def apply_output_gate(self, o, gate):
+        return _la.apply_output_gate(o, gate, **self.kw)
+
+    # -- acceptance -----------------------------------------------------------------------------------
+
+    def accept_greedy(self, drafts, targets):
+        """(num_accepted (B,), out (B, K+1)) for draft ids (B, K) against the target's choices (B, K+1)."""
+        if (self._acceptance is not None and _plain_ids(drafts, 2) and _plain_ids(targets, 2)
+                and targets.shape == (drafts.shape[0], drafts.shape[1] + 1)
+                and targets.size and targets.min() >= 0 and (drafts.size == 0 or drafts.min() >= 0)):
+            b, k = drafts.shape
+            out = (np.zeros(b, np.int64), np.empty((b, k + 1), np.int64))
+            self._acceptance.accept_greedy(drafts, targets, np.full(b, k, np.int64), *out, n_threads=self._n)
+            return out
+        return accept_greedy(drafts, targets, **self.kw)
+
+    def filtered_probs(self, logits, temperature, top_k, top_p):
+        return filtered_probs(logits, temperature, top_k, top_p)
+
+    def rejection_sample(self, drafts, logits, temperature, top_k, top_p, generator, num_draft=None,
+                         draft_probs=None):
+        return rejection_sample(drafts, logits, draft_probs=draft_probs, temperature=temperature, top_k=top_k,
+                                top_p=top_p, num_draft=num_draft, generator=generator, **self.kw)
+
+    # the methods that run kernels (what a caller timing kernel time wraps)
+    OPS = ("linear", "qwen3_layer", "drafter_layer", "rms_norm", "apply_rope", "silu_and_mul", "cached_attention",
+           "injected_kv_attention", "argmax_tokens", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
+           "split_query_gate", "apply_output_gate", "accept_greedy", "filtered_probs", "rejection_sample")
