@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dflash_kernels._precision import PRECISIONS  # noqa: E402
+from dflash_kernels.runtime import PRECISIONS  # noqa: E402
 from linear_ab import load_other  # noqa: E402
 from tiers import _median_interleaved  # noqa: E402
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     extra = {} if args.precision == "highest" else {"parts": PRECISIONS[args.precision]}
 
     import dflash_kernels as dk
-    from dflash_kernels._tensors import f32_to_bf16
+    from dflash_kernels import f32_to_bf16
 
     this, other = dk.kernel_module("attention", "cython"), load_other(args.other, "attention")
     tier = this.__name__.split(".")[-2]  # dflash_kernels._cython.<tier>.attention

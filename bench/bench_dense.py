@@ -22,7 +22,7 @@ from numba import njit, prange
 
 import dflash_kernels as dk
 from benchsupport import THREADS, record
-from dflash_kernels._threads import numba_threads
+from dflash_kernels.runtime import numba_threads
 from shapes import BLOCK, QWEN3_0_6B, QWEN3_8B
 
 # (name, N, K) of the weight matrices: attention q/o projection and the MLP up projection.

@@ -11,7 +11,7 @@ import pytest
 
 import dflash_kernels as dk
 from benchsupport import THREADS, record
-from dflash_kernels._tensors import f32_to_bf16
+from dflash_kernels import f32_to_bf16
 from dflash_kernels.layers import compose_qwen3_layer
 from shapes import BLOCK, QWEN3_1_7B, SHIPPED_TARGET, SMOLLM2_135M
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 import dflash_kernels as dk
-from dflash_kernels._threads import default_threads
+from dflash_kernels.runtime import default_threads
 
 THREADS = default_threads()
 torch.set_num_threads(THREADS)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dflash_kernels._precision import PRECISIONS  # noqa: E402
+from dflash_kernels.runtime import PRECISIONS  # noqa: E402
 from tiers import BLOCK_SHAPES, _median_interleaved  # noqa: E402
 
 LM_HEAD = ("1.7B lm_head", 151936, 2048)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dflash_kernels._precision import PRECISIONS  # noqa: E402  (name -> bf16 parts of the activations)
+from dflash_kernels.runtime import PRECISIONS  # noqa: E402  (name -> bf16 parts of the activations)
 from scale import SHAPES, _median, stream_read_gbs  # noqa: E402
 
 

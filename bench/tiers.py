@@ -60,7 +60,7 @@ def worker(tier: str, threads: int, rounds: int, attention_only: bool = False) -
     torch.set_num_threads(threads)
     dense = dk.kernel_module("dense", "cython")
     assert dense.TIER == tier, (dense.TIER, tier)
-    res = {"tier": tier, "threads": threads, "cpu": dk._isa.cpu_model()}
+    res = {"tier": tier, "threads": threads, "cpu": dk.runtime.cpu_model()}
     # the best of three 0.2 s runs: a register-only loop is only ever slowed down by the noise
     res["peak_fma"] = max(dense.peak_gflops("fma", threads, 0.2) for _ in range(3))
     res["peak_bf16dot"] = max(dense.peak_gflops("bf16dot", threads, 0.2) for _ in range(3))
@@ -189,13 +189,13 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads, args.rounds, args.attention_only)))
         return 0
-    from dflash_kernels import _isa
+    from dflash_kernels import runtime
 
-    machine = _isa.machine_tier()
-    tiers = args.tiers.split(",") if args.tiers else list(_isa.TIERS[: _isa.TIERS.index(machine) + 1])
+    machine = runtime.machine_tier()
+    tiers = args.tiers.split(",") if args.tiers else list(runtime.TIERS[: runtime.TIERS.index(machine) + 1])
     results = []
     for tier in tiers:
-        env = dict(os.environ, DFLASH_ISA=tier, ONEDNN_MAX_CPU_ISA=_isa.ONEDNN_ISA[tier],
+        env = dict(os.environ, DFLASH_ISA=tier, ONEDNN_MAX_CPU_ISA=runtime.ONEDNN_ISA[tier],
                    MKL_ENABLE_INSTRUCTIONS=MKL_ISA[tier], DFLASH_NUM_THREADS=str(args.threads),
                    OMP_NUM_THREADS=str(args.threads))
         out = subprocess.run([sys.executable, __file__, "--worker", tier, "--threads", str(args.threads),

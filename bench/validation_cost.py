@@ -31,7 +31,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels import acceptance, attention, denoise, dense, linear_attention
-from dflash_kernels._backends import resolve
+from dflash_kernels.runtime import resolve_backend
 
 MODULES = (acceptance, attention, denoise, dense, linear_attention)
 
@@ -71,7 +71,7 @@ def capture(name, args, kwargs):
     if "call" not in seen:
         raise RuntimeError(f"{name} did not reach a kernel (a linear shape delegated to torch here?)")
     family, op, inputs, outs, params = seen["call"]
-    backend = resolve("auto", family)[0]
+    backend = resolve_backend("auto", family)
     if backend == "torch":
         raise RuntimeError("backend auto resolves to torch here: no kernel to compare with")
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = [measure(name, a, kw, args.reps) for name, a, kw in cases(rng)]
-    print(json.dumps({"backend": resolve("auto", "dense")[0], "tier": dk.active_tier(), "reps": args.reps,
+    print(json.dumps({"backend": resolve_backend("auto", "dense"), "tier": dk.active_tier(), "reps": args.reps,
                       "rows": rows}))
     return 0
 

@@ -20,12 +20,16 @@ if _os.environ.get("DFLASH_ISA") and "numba" not in _sys.modules and "NUMBA_CPU_
     if _cap is not None:
         _os.environ["NUMBA_CPU_NAME"] = _isa.NUMBA_CPU[_isa.cap_tier(_cap, _isa.machine_tier()) or "avx2"]
 
-from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
+from . import (
+    runtime,  # noqa: F401  (dk.runtime: what the ops resolve at run time)
+    torch_ops as _torch_ops,  # noqa: F401  (registers torch.ops.dflash.*)
+)
 from ._autotune import tune_linear
 from ._backends import available_backends, kernel_module
 from ._config import show_config
 from ._isa import active_tier, set_isa
 from ._precision import get_matmul_precision, set_matmul_precision
+from ._tensors import bf16_to_f32, f32_to_bf16
 from .acceptance import accept_greedy, filtered_probs, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .bound import BoundOps
@@ -68,6 +72,8 @@ __all__ = [
     "apply_rope",
     "rope_inv_freq",
     "available_backends",
+    "bf16_to_f32",
+    "f32_to_bf16",
     "BoundOps",
     "cached_attention",
     "denoise_block",

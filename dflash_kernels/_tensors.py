@@ -188,12 +188,45 @@ def first_nonzero(arr: np.ndarray) -> int:
 
 
 def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bit patterns -> float32 (exact)."""
+    """bf16 bit patterns (numpy uint16, the ops' bf16 storage) to float32, exactly.
+
+    Parameters
+    ----------
+    u16 : ndarray of uint16, any shape
+        bf16 values as their bit patterns.
+
+    Returns
+    -------
+    ndarray of float32, the same shape
+
+    Examples
+    --------
+    >>> dk.bf16_to_f32(np.array([0x3F80, 0xC040], np.uint16))
+    array([ 1., -3.], dtype=float32)
+    """
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
 def f32_to_bf16(f32: np.ndarray) -> np.ndarray:
-    """float32 -> uint16 bf16 bit patterns, round to nearest even (torch's rounding); NaN stays NaN."""
+    """float32 to bf16 bit patterns (numpy uint16, the ops' bf16 storage), rounded to nearest even as
+    torch rounds; NaN stays NaN.
+
+    Parameters
+    ----------
+    f32 : array_like of float32, any shape
+
+    Returns
+    -------
+    ndarray of uint16, the same shape
+
+    Examples
+    --------
+    >>> bits = dk.f32_to_bf16(np.array([1.0, 1.00390625, np.nan], np.float32))  # 1 + 2**-8 is a tie
+    >>> [hex(b) for b in bits]
+    ['0x3f80', '0x3f80', '0x7fc0']
+    >>> dk.bf16_to_f32(bits)[:2]
+    array([1., 1.], dtype=float32)
+    """
     u = np.ascontiguousarray(f32, dtype=np.float32).view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = np.isnan(f32)

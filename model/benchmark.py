@@ -62,14 +62,12 @@ def run_environment(eng) -> dict:
     import torch
 
     import dflash_kernels as dk
-    from dflash_kernels import _isa
-    from dflash_kernels._config import isa_summary
+    from dflash_kernels import runtime
 
     ops = eng.ops
     return {"threads": ops.kw["n_threads"], "backend": ops.kw["backend"], "precision": ops.precision,
             "kv_dtype": getattr(eng, "kv_dtype", "float32"),
-            "machine": {"cpu": _isa.cpu_model(), "isa_flags": isa_summary(), "machine_tier": _isa.machine_tier(),
-                        "tier": ops.tier},
+            "machine": {**runtime.machine(), "tier": ops.tier},
             "versions": {"dflash_kernels": dk.__version__, "numpy": np.__version__, "numba": numba.__version__,
                          "torch": torch.__version__}}
 

@@ -133,7 +133,7 @@ def cmd_tune(args) -> int:
 def cmd_tune_kernels(args) -> int:
     """Run the model briefly to learn its matmul shapes, then time ours against torch on each."""
     import dflash_kernels as dk
-    from dflash_kernels._autotune import cache_file
+    from dflash_kernels.runtime import tuning_cache_file
 
     gen = _load(args)
     gen.generate("def main():", 8, num_speculative_tokens=None if gen.drafter else 0, ignore_eos=True)
@@ -146,7 +146,7 @@ def cmd_tune_kernels(args) -> int:
         print(f"| {r['entry']} | {r['ours_s'] * 1e3:.3f} | {r['torch_s'] * 1e3:.3f} | "
               f"{'torch' if r['torch_wins'] else 'ours'} |")
     n = sum(r["torch_wins"] for r in rows)
-    print(f"{n} of {len(rows)} cases delegated to torch; stored in {cache_file()}", file=sys.stderr)
+    print(f"{n} of {len(rows)} cases delegated to torch; stored in {tuning_cache_file()}", file=sys.stderr)
     return 0
 
 

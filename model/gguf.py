@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_kernels._tensors import f32_to_bf16
+from dflash_kernels import f32_to_bf16
 
 from .weights import WeightsError
 

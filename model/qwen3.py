@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_kernels._tensors import f32_to_bf16
+from dflash_kernels import f32_to_bf16
 from dflash_kernels.layers import Qwen3Layer
 
 from ._ops import Ops

@@ -3,7 +3,9 @@ parameter and its result, and a docstring that names every parameter (n_threads 
 every op takes, are documented once, in the package docstring)."""
 
 import inspect
+import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,26 @@ def test_public_op_has_type_hints_and_documents_its_parameters(name):
     doc = inspect.getdoc(fn) or ""
     undocumented = [p for p in sig.parameters if p not in COMMON and p not in doc]
     assert not undocumented, f"{name}: docstring does not mention {undocumented}"
+
+
+PRIVATE_IMPORT = re.compile(r"(?:from|import)\s+dflash_kernels\._[a-z]|from\s+dflash_kernels\s+import\s+[^#\n]*\b_[a-z]"
+                            r"|\bdk\._[a-z]")
+
+
+def private_imports(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if PRIVATE_IMPORT.search(line.split("#")[0])]
+
+
+def test_model_and_bench_use_only_public_names():
+    root = Path(__file__).resolve().parent.parent
+    found = {str(p.relative_to(root)): hits for p in sorted([*root.glob("model/**/*.py"), *root.glob("bench/*.py")])
+             if (hits := private_imports(p.read_text()))}
+    assert not found, f"private dflash_kernels names used outside the package: {found}"
+
+
+def test_the_private_import_check_sees_each_form():
+    assert private_imports("from dflash_kernels._tensors import f32_to_bf16")
+    assert private_imports("    from dflash_kernels import _isa")
+    assert private_imports("x = dk._isa.cpu_model()")
+    assert not private_imports("from dflash_kernels import f32_to_bf16  # not dflash_kernels._tensors")
+    assert not private_imports("root = dflash_kernels.__file__")
