@@ -13,10 +13,13 @@ Both are called as written-out code calls them (``kernel(x, w, out, n_threads=1)
 layer does): a star-call ``kernel(*args, **kwargs)`` costs a Cython function ~0.6 us more, which in
 the baseline would hide that much of the API layer.
 
-public - kernel is the per-call cost of the API layer. Medians of ``--reps`` timed calls after a
-warm-up, numpy inputs and torch inputs, n_threads=1; the three calls are timed in turn within each
-rep, so that a change in the machine's load shifts all three alike. Prints one line per op and a
-JSON summary.
+- bound = the same call on ``dk.BoundOps(n_threads=1)``, for the ops it calls directly (the
+  low-overhead entry for callers that own their buffers; the model layer runs on it).
+
+public - kernel is the per-call cost of the API layer, bound - kernel that of ``BoundOps``. Medians
+of ``--reps`` timed calls after a warm-up, numpy inputs and torch inputs, n_threads=1; the calls are
+timed in turn within each rep, so that a change in the machine's load shifts them all alike. Prints
+one line per op and a JSON summary.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from dflash_kernels import acceptance, attention, denoise, dense, linear_attenti
 from dflash_kernels.runtime import resolve_backend
 
 MODULES = (acceptance, attention, denoise, dense, linear_attention)
+# BoundOps' direct paths, and what their calls add to the public op's arguments
+BOUND = {"linear": {}, "rms_norm": {"eps": 1e-6}, "apply_rope": {}, "silu_and_mul": {}, "cached_attention": {},
+         "accept_greedy": {}}
 
 
 def cases(rng):
@@ -102,15 +108,20 @@ def measure(name: str, a: tuple, kw: dict, reps: int) -> dict:
     kernel, inputs, outs, params = capture(name, a, kw)
     ta = tuple(torch.from_numpy(x) if isinstance(x, np.ndarray) and x.dtype != np.float64 else x for x in a)
     op = getattr(dk, name)
-    public, public_t, bare = (t * 1e6 for t in medians([
-        written_out(op, a, {**kw, "n_threads": 1}),
-        written_out(op, ta, {**kw, "n_threads": 1}),
-        written_out(kernel, (*inputs, *outs), {"n_threads": 1, **params}),
-    ], reps))
-    print(f"{name:22s} public {public:7.2f} us (torch {public_t:7.2f})  kernel {bare:6.2f} us  "
-          f"API layer {public - bare:6.2f} / {public_t - bare:6.2f} us", flush=True)
-    return {"op": name, "public_numpy_us": public, "public_torch_us": public_t, "kernel_us": bare,
-            "api_numpy_us": public - bare, "api_torch_us": public_t - bare}
+    fns = [written_out(op, a, {**kw, "n_threads": 1}), written_out(op, ta, {**kw, "n_threads": 1}),
+           written_out(kernel, (*inputs, *outs), {"n_threads": 1, **params})]
+    if name in BOUND:
+        fns.append(written_out(getattr(dk.BoundOps(n_threads=1), name), a, {**kw, **BOUND[name]}))
+    public, public_t, bare, *bound = (t * 1e6 for t in medians(fns, reps))
+    row = {"op": name, "public_numpy_us": public, "public_torch_us": public_t, "kernel_us": bare,
+           "api_numpy_us": public - bare, "api_torch_us": public_t - bare}
+    line = (f"{name:22s} public {public:7.2f} us (torch {public_t:7.2f})  kernel {bare:6.2f} us  "
+            f"API layer {public - bare:6.2f} / {public_t - bare:6.2f} us")
+    if bound:
+        row |= {"bound_us": bound[0], "api_bound_us": bound[0] - bare}
+        line += f"  BoundOps {bound[0]:6.2f} us (+{bound[0] - bare:5.2f})"
+    print(line, flush=True)
+    return row
 
 
 def main(argv=None) -> int:

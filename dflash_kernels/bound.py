@@ -29,18 +29,25 @@ from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, s
 from .layers import run_qwen3_layer
 
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
-_W_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+# numpy's descriptors of these builtin types are singletons, so `a.dtype is _F32` is a cheap exact
+# test; an array with another descriptor object (non-native byte order) takes the public path
+_F32, _U16, _I64 = np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.int64)
 
 
-def _plain(a, ndim=None) -> bool:
-    """A C-contiguous float32 numpy array (of `ndim` dimensions): safe for a direct kernel call."""
-    return (type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
-            and (ndim is None or a.ndim == ndim))
+def _plain(a, ndim: int) -> bool:
+    """A C-contiguous float32 numpy array of `ndim` dimensions: safe for a direct kernel call."""
+    return type(a) is np.ndarray and a.dtype is _F32 and a.ndim == ndim and a.flags.c_contiguous
 
 
 def _plain_ids(a, ndim: int) -> bool:
     """A C-contiguous int64 numpy array of `ndim` dimensions."""
-    return type(a) is np.ndarray and a.dtype == np.int64 and a.flags.c_contiguous and a.ndim == ndim
+    return type(a) is np.ndarray and a.dtype is _I64 and a.ndim == ndim and a.flags.c_contiguous
+
+
+def _non_negative(ids: np.ndarray) -> bool:
+    """No id below 0 (an empty array has none); a Python pass over a draft block's few ids costs less
+    than numpy's reduction call."""
+    return ids.size == 0 or (min(ids.ravel().tolist()) >= 0 if ids.size <= 64 else int(ids.min()) >= 0)
 
 
 def _fixed_backend(backend):
@@ -88,6 +95,7 @@ class BoundOps:
         self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
+        self._all_drafts: dict[tuple[int, int], np.ndarray] = {}  # (B, K) -> accept_greedy's num_draft
         self.governor = ContentionGovernor(self._n) if n_threads is None else None
         # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
         # tiles on every tier where Cython runs (bench/bench_denoise.py), and the (rows, V) float32
@@ -118,28 +126,31 @@ class BoundOps:
         return self._matmul(x, w)
 
     def _matmul(self, x, w):
-        if isinstance(w, tuple):
-            self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
-        else:  # one weight, every step: a plain add, no generator
-            self.linear_shapes.add(w.shape[:2])
-        if isinstance(w, PackedWeight):
-            if self._linear_packed is not None and _plain(x, 2) and x.shape[1] == w.shape[1] and x.size:
+        if type(w) is np.ndarray:
+            shape = w.shape
+            self.linear_shapes.add(shape)
+            if (self._dense is not None and type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 2
+                    and (w.dtype is _F32 or w.dtype is _U16) and x.shape[1] == shape[1] and x.size and w.size
+                    and x.flags.c_contiguous and w.flags.c_contiguous):
+                out = np.empty((x.shape[0], shape[0]), np.float32)
+                if self._auto and delegates(x.shape[0], shape[0], shape[1], w.dtype is _U16, self._parts, self._n):
+                    torch_linear(x, w, None, self._parts, out, self._n)  # measured faster here (tune_linear)
+                else:
+                    self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
+                return out
+        elif type(w) is PackedWeight:
+            self.linear_shapes.add(w.shape)
+            if (self._linear_packed is not None and type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 2
+                    and x.shape[1] == w.shape[1] and x.size and x.flags.c_contiguous):
                 out = np.empty((x.shape[0], w.shape[0]), np.float32)
                 self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts,
                                     weights_finite=w.finite)
                 return out
-            return linear(x, w, precision=self.precision, **self.kw)
-        if isinstance(w, tuple):
+        elif isinstance(w, tuple):
+            self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
             return np.concatenate([linear(x, part, precision=self.precision, **self.kw) for part in w], axis=-1)
-        if (self._dense is not None and _plain(x, 2) and w.dtype in _W_DTYPES and w.flags.c_contiguous
-                and x.shape[1] == w.shape[1] and x.size and w.size):
-            out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            if self._auto and delegates(x.shape[0], w.shape[0], w.shape[1], w.dtype == np.uint16, self._parts,
-                                        self._n):
-                torch_linear(x, w, None, self._parts, out, self._n)  # measured faster here (tune_linear)
-            else:
-                self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
-            return out
+        else:
+            self.linear_shapes.add(tuple(w.shape[:2]))
         return linear(x, w, precision=self.precision, **self.kw)
 
     def qwen3_layer(self, x, layer, k_cache, v_cache, start):
@@ -155,7 +166,8 @@ class BoundOps:
     def rms_norm(self, x, w, eps, *, offset=0.0, residual=None):
         """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w)). With a
         residual: (rms_norm(x + residual), x + residual), the pre-norm residual add fused in."""
-        if self._dense is not None and _plain(x) and x.size and _plain(w, 1) and w.shape[0] == x.shape[-1]:
+        if (self._dense is not None and type(x) is np.ndarray and x.dtype is _F32 and x.size and _plain(w, 1)
+                and w.shape[0] == x.shape[-1] and x.flags.c_contiguous):
             if residual is None:
                 out = np.empty_like(x)
                 self._dense.rms_norm(x.reshape(-1, w.shape[0]), w, out.reshape(-1, w.shape[0]), n_threads=self._n,
@@ -191,9 +203,9 @@ class BoundOps:
     def cached_attention(self, q, k, v, *, window=None):
         """Causal attention of q's rows, the last positions of the cache rows k / v."""
         if (self._attention is not None and _plain(q, 3) and type(k) is np.ndarray and k.flags.c_contiguous
-                and k.dtype in _W_DTYPES and type(v) is np.ndarray and v.dtype == k.dtype and v.flags.c_contiguous
-                and k.ndim == 3 and v.shape == k.shape and q.shape[0] <= k.shape[0] and q.shape[2] == k.shape[2]
-                and q.shape[1] % k.shape[1] == 0):
+                and (k.dtype is _F32 or k.dtype is _U16) and type(v) is np.ndarray and v.dtype is k.dtype
+                and v.flags.c_contiguous and k.ndim == 3 and v.shape == k.shape and q.shape[0] <= k.shape[0]
+                and q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0):
             out = np.empty(q.shape, np.float32)
             self._attention.cached_attention(q, k, v, out, n_threads=self._n, causal=True,
                                              scale=q.shape[2] ** -0.5, window=window, parts=self._parts)
@@ -251,10 +263,13 @@ class BoundOps:
         """(num_accepted (B,), out (B, K+1)) for draft ids (B, K) against the target's choices (B, K+1)."""
         if (self._acceptance is not None and _plain_ids(drafts, 2) and _plain_ids(targets, 2)
                 and targets.shape == (drafts.shape[0], drafts.shape[1] + 1)
-                and targets.size and targets.min() >= 0 and (drafts.size == 0 or drafts.min() >= 0)):
+                and _non_negative(targets) and _non_negative(drafts)):
             b, k = drafts.shape
+            num_draft = self._all_drafts.get((b, k))
+            if num_draft is None:  # every row's K drafts count; read only, so kept (np.full costs ~1.5 us)
+                num_draft = self._all_drafts[b, k] = np.full(b, k, np.int64)
             out = (np.zeros(b, np.int64), np.empty((b, k + 1), np.int64))
-            self._acceptance.accept_greedy(drafts, targets, np.full(b, k, np.int64), *out, n_threads=self._n)
+            self._acceptance.accept_greedy(drafts, targets, num_draft, *out, n_threads=self._n)
             return out
         return accept_greedy(drafts, targets, **self.kw)
 
