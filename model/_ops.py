@@ -42,4 +42,6 @@ class Ops(dk.BoundOps):
             release_pages(w)  # a memory-mapped source: its values are in the packed copy now
         return out
 
-    locals().update({name: _timed(name) for name in dk.BoundOps.OPS})
+
+for _name in dk.BoundOps.OPS:  # every kernel-running method, timed
+    setattr(Ops, _name, _timed(_name))

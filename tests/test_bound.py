@@ -111,3 +111,9 @@ def test_examples_run():
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.attempted and result.failed == 0
+
+
+def test_every_kernel_method_is_listed_in_ops():
+    """BoundOps.OPS is what callers wrap to time kernels (the model layer's Ops): a new method must join it."""
+    methods = {n for n, v in vars(dk.BoundOps).items() if callable(v) and not n.startswith("_")}
+    assert methods - {"prepare", "adapt_threads"} == set(dk.BoundOps.OPS)
