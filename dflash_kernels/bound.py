@@ -2,7 +2,7 @@
 buffers (the model layer, engines).
 
 A public op converts and checks its arguments, resolves the backend and reads the environment on
-every call: a few microseconds, which a small model's decode step pays some 45 times. ``BoundOps``
+every call: a few microseconds (bench/validation_cost.py), paid on each of a decode step's calls. ``BoundOps``
 pays the settings once, at construction, and calls the compiled kernel directly wherever the operands
 are what an engine's own buffers are (numpy, float32 or bf16-as-uint16, C-contiguous, shapes that
 agree); anything else goes to the public op, with its checks and messages. The results are the same
@@ -266,7 +266,7 @@ class BoundOps:
                 and _non_negative(targets) and _non_negative(drafts)):
             b, k = drafts.shape
             num_draft = self._all_drafts.get((b, k))
-            if num_draft is None:  # every row's K drafts count; read only, so kept (np.full costs ~1.5 us)
+            if num_draft is None:  # every row drafts K; the kernel only reads it, so one per shape
                 num_draft = self._all_drafts[b, k] = np.full(b, k, np.int64)
             out = (np.zeros(b, np.int64), np.empty((b, k + 1), np.int64))
             self._acceptance.accept_greedy(drafts, targets, num_draft, *out, n_threads=self._n)
