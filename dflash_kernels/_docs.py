@@ -43,26 +43,20 @@ ndarray or torch.Tensor, shape (T_q, H_q, D)
 
 
 def _expand(text: str) -> str:
-    """text with its own ``{name}`` lines filled (an entry may be built of others)."""
+    """text with each line holding only ``{name}`` replaced by SHARED[name] (expanded in turn: an entry
+    may be built of others) at that line's indentation; an unknown name is an error."""
     out = []
     for line in text.splitlines():
         key = line.strip()
-        if key.startswith("{") and key.endswith("}") and key[1:-1] in SHARED:
-            out += _expand(SHARED[key[1:-1]]).splitlines()
+        if key.startswith("{") and key.endswith("}"):
+            indent = line[: len(line) - len(line.lstrip())]
+            out += [indent + part if part else "" for part in _expand(SHARED[key[1:-1]]).splitlines()]
         else:
             out.append(line)
     return "\n".join(out)
 
 
 def shared_doc(fn):
-    """Fill the ``{name}`` lines of fn's docstring from SHARED (an unknown name is an error)."""
-    lines = []
-    for line in fn.__doc__.splitlines():
-        key = line.strip()
-        if key.startswith("{") and key.endswith("}"):
-            indent = line[: len(line) - len(line.lstrip())]
-            lines += [indent + part if part else "" for part in _expand(SHARED[key[1:-1]]).splitlines()]
-        else:
-            lines.append(line)
-    fn.__doc__ = "\n".join(lines)
+    """Fill the ``{name}`` lines of fn's docstring from SHARED."""
+    fn.__doc__ = _expand(fn.__doc__)
     return fn
