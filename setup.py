@@ -44,6 +44,8 @@ TIERS = {
 
 # Reassociation lets gcc vectorise float reductions; deliberately NOT -ffast-math, whose
 # -ffinite-math-only would break the -inf masks and NaN checks the kernels rely on.
+# pyx stems compiled once, not per tier (dflash_kernels._cython.<stem>): the public ops' fast path
+UNTIERED = ("fastpath",)
 FLOAT_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
 # DFLASH_DEBUG: AddressSanitizer catches an out-of-bounds read or write in the C kernels (the headers'
 # pointer arithmetic, which Cython's boundscheck never sees). Python must load the ASan runtime first:
@@ -105,7 +107,7 @@ def _extensions():
         [
             Extension(f"dflash_kernels._cython.{pyx.stem}", [str(pyx.relative_to(HERE))])
             for pyx in sorted((HERE / "pyx").glob("*.pyx"))
-            if ONLY is None or pyx.stem == ONLY
+            if (ONLY is None or pyx.stem == ONLY) and pyx.stem not in UNTIERED
         ],
         language_level=3,
         # debug C (boundscheck on) apart from the release C: Cython does not regenerate a .c when only
@@ -121,7 +123,15 @@ def _extensions():
     )
     # ... then compile the C once per tier. Only the last name component must match the C file's
     # PyInit_<stem>; Python imports it as dflash_kernels._cython.<tier>.<stem>.
-    extensions = []
+    # checks and dispatch only: compiled once, for any x86-64 (or other) CPU, beside the tier packages
+    extensions = [
+        Extension(f"dflash_kernels._cython.{stem}", [f"pyx/{stem}.pyx"], include_dirs=[np.get_include()],
+                  extra_compile_args=OPT_FLAGS, extra_link_args=LINK_FLAGS,
+                  define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+        for stem in UNTIERED if ONLY is None or stem == ONLY
+    ]
+    extensions = cythonize(extensions, language_level=3, build_dir="build/debug-c" if DEBUG else None,
+                           compiler_directives={"boundscheck": DEBUG, "wraparound": False, "cdivision": True})
     for tier, march in _selected_tiers().items():
         for ext in generic:
             stem = ext.name.rsplit(".", 1)[1]

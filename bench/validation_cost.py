@@ -69,8 +69,8 @@ def capture(name, args, kwargs):
 
     for m in MODULES:
         m.run = spy
-    try:
-        getattr(dk, name)(*args, **kwargs, n_threads=1)
+    try:  # backend named: the Python path (the fast path takes "auto" only), which calls run()
+        getattr(dk, name)(*args, **kwargs, n_threads=1, backend=resolve_backend("auto", "dense"))
     finally:
         for m, r in originals.items():
             m.run = r

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import _isa
+from ._env import settings_changed
 
 M_BUCKETS = (1, 4, 16, 64, 256)  # rows are bucketed: the smallest bucket >= M (the last above it)
 MARGIN = 1.05                    # torch must win by more than this to be delegated to
@@ -82,12 +83,23 @@ def _stamp() -> float:
 _state = {"stamp": None, "checked": 0.0}
 
 
-def delegated_entries(n_threads: int) -> frozenset[str]:
-    """The shapes delegated to torch here (re-read when the file changes, checked once a second)."""
+def table_written() -> None:
+    """The table file changed in this process: read it again at the next call."""
+    _state["stamp"] = None
+    settings_changed()  # the public ops' fast path asks has_table() again
+
+
+def has_table() -> bool:
+    """Whether a tuning table exists here (its file's change time, checked once a second)."""
     now = time.monotonic()
     if _state["stamp"] is None or now - _state["checked"] > 1.0:
         _state["stamp"], _state["checked"] = _stamp(), now
-    if not _state["stamp"]:  # no table (never tuned here): nothing to look up, on every linear call
+    return bool(_state["stamp"])
+
+
+def delegated_entries(n_threads: int) -> frozenset[str]:
+    """The shapes delegated to torch here (re-read when the file changes, checked once a second)."""
+    if not has_table():  # never tuned here: nothing to look up, on every linear call
         return frozenset()
     return _delegated_set(machine_key(n_threads), _state["stamp"])
 
@@ -180,4 +192,4 @@ def _save(key: str, rows: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
-    _state["stamp"] = None
+    table_written()

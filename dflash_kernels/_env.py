@@ -39,3 +39,13 @@ class EnvSetting:
             self._value = self._parse(os.environ.get(self.name))
             self._raw = raw
         return self._value
+
+
+def settings_changed() -> None:
+    """A process setting changed (ISA cap, default precision): the public ops' compiled fast path
+    (dflash_kernels/_fastpath.py) resolves its settings again at the next call."""
+    try:
+        from ._cython.fastpath import settings_changed as changed
+    except ImportError:  # no compiled fast path: nothing is kept
+        return
+    changed()

@@ -20,7 +20,7 @@ import ctypes
 import warnings
 from functools import cache
 
-from ._env import EnvSetting
+from ._env import EnvSetting, settings_changed
 
 TIERS = ("avx2", "avx512", "avx512_bf16", "amx")
 NATIVE = "native"
@@ -194,6 +194,7 @@ def set_isa(cap: str | None) -> str | None:
     """
     global _runtime_cap
     _runtime_cap = _UNSET if cap is None else parse_cap(cap, "set_isa(cap)")
+    settings_changed()
     return active_tier()
 
 

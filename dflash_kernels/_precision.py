@@ -19,6 +19,8 @@ values. Error bounds against the float64 product of the unrounded inputs: docs/c
 
 from __future__ import annotations
 
+from ._env import settings_changed
+
 PRECISIONS = {"highest": 3, "high": 2, "medium": 1}  # name -> bf16 parts per activation
 
 _default = "highest"
@@ -72,6 +74,7 @@ def set_matmul_precision(precision: str) -> str:
     global _default
     new = check_precision(precision if precision is not None else "", "set_matmul_precision(precision)")
     old, _default = _default, new
+    settings_changed()
     return old
 
 

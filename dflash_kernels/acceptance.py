@@ -17,6 +17,7 @@ import torch
 
 from ._dispatch import run
 from ._docs import shared_doc
+from ._fastpath import FAST
 from ._tensors import (
     Array,
     Generator,
@@ -178,6 +179,9 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
     >>> dk.accept_greedy([3, 4, 5], [3, 4, 5, 6], num_draft=1)  # unbatched, one draft used
     (array(1), array([ 3,  4, -1, -1]))
     """
+    done = FAST.accept_greedy(draft_tokens, target_tokens, num_draft, vocab_size, n_threads, backend)
+    if done is not None:
+        return done
     d = _ids(draft_tokens, "draft_tokens")
     tg = _ids(target_tokens, "target_tokens")
     unbatched = d.ndim == 1
@@ -340,6 +344,10 @@ def rejection_sample(draft_tokens: Array, target_logits: Array, *, draft_probs: 
     >>> dk.rejection_sample(np.array([[1, 2]]), logits, temperature=0.0)  # all pass: bonus token 3
     (array([2]), array([[1, 2, 3]]))
     """
+    done = FAST.rejection_sample(draft_tokens, target_logits, draft_probs, temperature, top_k, top_p, num_draft,
+                                 uniforms, generator, n_threads, backend)
+    if done is not None:
+        return done
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     d = _ids(draft_tokens, "draft_tokens")
     logits = float_array(target_logits, "target_logits")

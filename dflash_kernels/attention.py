@@ -29,6 +29,7 @@ import numpy as np
 
 from ._dispatch import run
 from ._docs import shared_doc
+from ._fastpath import FAST
 from ._precision import parts as precision_parts
 from ._tensors import Array, any_torch, f32_array, float_array, wrap
 
@@ -135,6 +136,10 @@ def injected_kv_attention(q: Array, k_ctx: Array, v_ctx: Array, k_blk: Array, v_
     >>> np.allclose(out[0], v_blk[0].repeat(2, axis=0))
     True
     """
+    done = FAST.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale, causal_block, window, precision,
+                                      n_threads, backend)
+    if done is not None:
+        return done
     qa = f32_array(q, "q", ndim=3)
     _check_q(qa)
     t_q, h_q, d = qa.shape
@@ -204,6 +209,9 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, *, causal: bool =
     >>> np.allclose(dk.cached_attention(q, k, v, window=1), v.repeat(2, axis=1))
     True
     """
+    done = FAST.cached_attention(q, k_cache, v_cache, causal, scale, window, precision, n_threads, backend)
+    if done is not None:
+        return done
     qa = f32_array(q, "q", ndim=3)
     _check_q(qa)
     t_q, h_q, d = qa.shape

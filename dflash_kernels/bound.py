@@ -1,13 +1,12 @@
 """``BoundOps``: the ops bound to one thread count, backend and precision, for callers that own their
 buffers (the model layer, engines).
 
-A public op converts and checks its arguments, resolves the backend and reads the environment on
-every call: a few microseconds (bench/validation_cost.py), paid on each of a decode step's calls. ``BoundOps``
-pays the settings once, at construction, and calls the compiled kernel directly wherever the operands
-are what an engine's own buffers are (numpy, float32 or bf16-as-uint16, C-contiguous, shapes that
-agree); anything else goes to the public op, with its checks and messages. The results are the same
-bits either way. The choices of kernel path live here too, so every caller gets them: a tuned shape
-delegated to torch (``tune_linear``), the LM head's greedy pass, whole compiled decoder layers.
+Settings given at construction stay: the thread count (or the contention governor's), the backend
+and the precision, so that every matmul of a model computes the same way. Each op goes first to the
+compiled fast path that the public ops take too (dflash_kernels/_fastpath.py: the public op's checks in
+C, about 1 us on Zen 2, bench/validation_cost.py), and to the public op where that declines. The
+choices of kernel path live here too, so every caller gets them: the LM head's greedy pass and whole
+compiled decoder layers.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ import os
 import numpy as np
 
 from . import linear_attention as _la
-from ._autotune import delegates, torch_linear
 from ._backends import kernel_module, resolve
+from ._fastpath import FAST
 from ._precision import check_precision, parts as precision_parts
 from ._threads import ContentionGovernor, resolve_threads
 from .acceptance import accept_greedy, filtered_probs, rejection_sample
@@ -29,27 +28,6 @@ from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, s
 from .layers import run_qwen3_layer
 
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
-# numpy's descriptors of these builtin types are singletons, so `a.dtype is _F32` is a cheap exact
-# test; an array with another descriptor object (non-native byte order) takes the public path
-_F32, _U16, _I64 = np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.int64)
-
-
-def _plain(a, ndim: int) -> bool:
-    """A C-contiguous float32 numpy array of `ndim` dimensions: safe for a direct kernel call."""
-    return type(a) is np.ndarray and a.dtype is _F32 and a.ndim == ndim and a.flags.c_contiguous
-
-
-def _plain_ids(a, ndim: int) -> bool:
-    """A C-contiguous int64 numpy array of `ndim` dimensions."""
-    return type(a) is np.ndarray and a.dtype is _I64 and a.ndim == ndim and a.flags.c_contiguous
-
-
-def _non_negative(ids: np.ndarray) -> bool:
-    """No id below 0 (an empty array has none); a Python pass over a draft block's few ids costs less
-    than numpy's reduction call."""
-    return ids.size == 0 or (min(ids.ravel().tolist()) >= 0 if ids.size <= 64 else int(ids.min()) >= 0)
-
-
 def _fixed_backend(backend):
     """The backend "auto" resolves to when it is the same for every kernel family, else "auto"."""
     if backend != "auto":
@@ -86,16 +64,11 @@ class BoundOps:
         # "auto" and n_threads=None resolved once: per call they would read the environment again
         self.kw = {"n_threads": resolve_threads(n_threads), "backend": _fixed_backend(backend)}
         name = self.kw["backend"]
-        direct = name in ("cython", "numba")
-        self._dense = kernel_module("dense", name) if direct else None
+        self._dense = kernel_module("dense", name) if name in ("cython", "numba") else None  # the fused layers
         self._linear_packed = getattr(self._dense, "linear_packed", None)  # Cython only
-        self._attention = kernel_module("attention", name) if direct else None
-        self._acceptance = kernel_module("acceptance", name) if direct else None
         self.tier = getattr(self._dense, "TIER", None)  # the Cython tier that runs, None elsewhere
-        self._auto = backend == "auto" and name == "cython"  # may delegate tuned shapes to torch
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
-        self._all_drafts: dict[tuple[int, int], np.ndarray] = {}  # (B, K) -> accept_greedy's num_draft
         self.governor = ContentionGovernor(self._n) if n_threads is None else None
         # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
         # tiles on every tier where Cython runs (bench/bench_denoise.py), and the (rows, V) float32
@@ -126,32 +99,15 @@ class BoundOps:
         return self._matmul(x, w)
 
     def _matmul(self, x, w):
-        if type(w) is np.ndarray:
-            shape = w.shape
-            self.linear_shapes.add(shape)
-            if (self._dense is not None and type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 2
-                    and (w.dtype is _F32 or w.dtype is _U16) and x.shape[1] == shape[1] and x.size and w.size
-                    and x.flags.c_contiguous and w.flags.c_contiguous):
-                out = np.empty((x.shape[0], shape[0]), np.float32)
-                if self._auto and delegates(x.shape[0], shape[0], shape[1], w.dtype is _U16, self._parts, self._n):
-                    torch_linear(x, w, None, self._parts, out, self._n)  # measured faster here (tune_linear)
-                else:
-                    self._dense.linear(x, w, None, out, n_threads=self._n, parts=self._parts)
-                return out
-        elif type(w) is PackedWeight:
-            self.linear_shapes.add(w.shape)
-            if (self._linear_packed is not None and type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 2
-                    and x.shape[1] == w.shape[1] and x.size and x.flags.c_contiguous):
-                out = np.empty((x.shape[0], w.shape[0]), np.float32)
-                self._linear_packed(x, w.data, None, out, n_threads=self._n, parts=self._parts,
-                                    weights_finite=w.finite)
-                return out
-        elif isinstance(w, tuple):
+        if isinstance(w, tuple):
             self.linear_shapes.update((p.shape[0], p.shape[1]) for p in w)
             return np.concatenate([linear(x, part, precision=self.precision, **self.kw) for part in w], axis=-1)
-        else:
-            self.linear_shapes.add(tuple(w.shape[:2]))
-        return linear(x, w, precision=self.precision, **self.kw)
+        self.linear_shapes.add(tuple(w.shape[:2]))
+        done = FAST.linear(x, w, None, self.precision, self._n, self.backend)
+        if done is not None:
+            return done
+        # the backend asked for: "auto" delegates the shapes tune_linear measured faster in torch
+        return linear(x, w, precision=self.precision, n_threads=self._n, backend=self.backend)
 
     def qwen3_layer(self, x, layer, k_cache, v_cache, start):
         """x (T, H) <- layer(x) in place, one compiled call (``layer.fused``, Cython): as the public
@@ -166,53 +122,32 @@ class BoundOps:
     def rms_norm(self, x, w, eps, *, offset=0.0, residual=None):
         """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w)). With a
         residual: (rms_norm(x + residual), x + residual), the pre-norm residual add fused in."""
-        if (self._dense is not None and type(x) is np.ndarray and x.dtype is _F32 and x.size and _plain(w, 1)
-                and w.shape[0] == x.shape[-1] and x.flags.c_contiguous):
-            if residual is None:
-                out = np.empty_like(x)
-                self._dense.rms_norm(x.reshape(-1, w.shape[0]), w, out.reshape(-1, w.shape[0]), n_threads=self._n,
-                                     eps=eps, offset=offset)
-                return out
-            if x.ndim == 2 and _plain(residual, 2) and residual.shape == x.shape:
-                out, new_res = np.empty_like(x), np.empty_like(x)
-                self._dense.rms_norm_residual(x, residual, w, out, new_res, n_threads=self._n, eps=eps,
-                                              offset=offset)
-                return out, new_res
-        return rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
+        done = FAST.rms_norm(x, w, eps, offset, residual, self._n, self.backend)
+        return done if done is not None else rms_norm(x, w, eps, offset=offset, residual=residual, **self.kw)
 
     def apply_rope(self, x, positions, theta, rotary_dim=None, *, inv_freq=None, out=None):
         """RoPE over the first rotary_dim dims (default D) of x (T, H, D); out=x rotates in place."""
-        rd = x.shape[-1] if rotary_dim is None else rotary_dim
-        if (self._dense is not None and _plain(x, 3) and x.size
-                and isinstance(positions, np.ndarray) and positions.dtype == np.int64
-                and positions.shape == (x.shape[0],) and positions.flags.c_contiguous
-                and (out is None or (out is x and x.flags.writeable))):
-            out = np.empty_like(x) if out is None else out
-            self._dense.apply_rope(x, positions, out, n_threads=self._n, theta=float(theta), rotary_dim=int(rd),
-                                   inv_freq=inv_freq)
-            return out
+        done = FAST.apply_rope(x, positions, theta, rotary_dim, inv_freq, out, self._n, self.backend)
+        if done is not None:
+            return done
         return apply_rope(x, positions, theta, rotary_dim, inv_freq=inv_freq, out=out, **self.kw)
 
     def silu_and_mul(self, gate_up):
-        if self._dense is not None and _plain(gate_up, 2) and gate_up.size and gate_up.shape[1] % 2 == 0:
-            out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-            self._dense.silu_and_mul(gate_up, out, n_threads=self._n)
-            return out
-        return silu_and_mul(gate_up, **self.kw)
+        done = FAST.silu_and_mul(gate_up, self._n, self.backend)
+        return done if done is not None else silu_and_mul(gate_up, **self.kw)
 
     def cached_attention(self, q, k, v, *, window=None):
         """Causal attention of q's rows, the last positions of the cache rows k / v."""
-        if (self._attention is not None and _plain(q, 3) and type(k) is np.ndarray and k.flags.c_contiguous
-                and (k.dtype is _F32 or k.dtype is _U16) and type(v) is np.ndarray and v.dtype is k.dtype
-                and v.flags.c_contiguous and k.ndim == 3 and v.shape == k.shape and q.shape[0] <= k.shape[0]
-                and q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0):
-            out = np.empty(q.shape, np.float32)
-            self._attention.cached_attention(q, k, v, out, n_threads=self._n, causal=True,
-                                             scale=q.shape[2] ** -0.5, window=window, parts=self._parts)
-            return out
+        done = FAST.cached_attention(q, k, v, True, None, window, self.precision, self._n, self.backend)
+        if done is not None:
+            return done
         return cached_attention(q, k, v, causal=True, window=window, precision=self.precision, **self.kw)
 
     def injected_kv_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, *, causal_block=False, window=None):
+        done = FAST.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, None, causal_block, window, self.precision,
+                                          self._n, self.backend)
+        if done is not None:
+            return done
         return injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, causal_block=causal_block, window=window,
                                      precision=self.precision, **self.kw)
 
@@ -246,6 +181,9 @@ class BoundOps:
 
     def gated_delta_rule(self, q, k, v, g, beta, state, checkpoints=False):
         """o (T, H_v, d_v), or (o, per-token states) with checkpoints; state updated in place."""
+        done = FAST.gated_delta_rule(q, k, v, g, beta, state, checkpoints, True, None, None, None, self._n, self.backend)
+        if done is not None:
+            return done
         return _la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=checkpoints, **self.kw)
 
     def gated_rms_norm(self, x, z, w, eps):
@@ -261,17 +199,8 @@ class BoundOps:
 
     def accept_greedy(self, drafts, targets):
         """(num_accepted (B,), out (B, K+1)) for draft ids (B, K) against the target's choices (B, K+1)."""
-        if (self._acceptance is not None and _plain_ids(drafts, 2) and _plain_ids(targets, 2)
-                and targets.shape == (drafts.shape[0], drafts.shape[1] + 1)
-                and _non_negative(targets) and _non_negative(drafts)):
-            b, k = drafts.shape
-            num_draft = self._all_drafts.get((b, k))
-            if num_draft is None:  # every row drafts K; the kernel only reads it, so one per shape
-                num_draft = self._all_drafts[b, k] = np.full(b, k, np.int64)
-            out = (np.zeros(b, np.int64), np.empty((b, k + 1), np.int64))
-            self._acceptance.accept_greedy(drafts, targets, num_draft, *out, n_threads=self._n)
-            return out
-        return accept_greedy(drafts, targets, **self.kw)
+        done = FAST.accept_greedy(drafts, targets, None, None, self._n, self.backend)
+        return done if done is not None else accept_greedy(drafts, targets, **self.kw)
 
     def filtered_probs(self, logits, temperature, top_k, top_p):
         return filtered_probs(logits, temperature, top_k, top_p)

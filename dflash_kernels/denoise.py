@@ -8,6 +8,7 @@ import torch
 from ._backends import resolve
 from ._dispatch import run
 from ._docs import shared_doc
+from ._fastpath import FAST
 from ._precision import parts as precision_parts
 from ._tensors import Array, Generator, any_torch, f32_array, first_nonzero, float_array, index_array, is_int, wrap
 from ._threads import resolve_threads
@@ -74,6 +75,10 @@ def denoise_block(hidden: Array, lm_head: Array, *, temperature: float = 0.0, to
     >>> dk.denoise_block(hidden, lm_head, temperature=1.0, top_k=1, generator=0)  # top_k=1: the argmax
     array([2, 0])
     """
+    done = FAST.denoise_block(hidden, lm_head, temperature, top_k, top_p, generator, uniforms, precision, n_threads,
+                              backend)
+    if done is not None:
+        return done
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     parts = precision_parts(precision)
     x = f32_array(hidden, "hidden", ndim=2)

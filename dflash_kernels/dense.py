@@ -11,6 +11,7 @@ from ._autotune import delegates, torch_linear
 from ._backends import resolve
 from ._dispatch import run
 from ._docs import shared_doc
+from ._fastpath import FAST
 from ._precision import parts as precision_parts
 from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_real, is_torch, wrap
 from ._threads import resolve_threads
@@ -47,6 +48,9 @@ def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str =
     >>> np.allclose(out, [[0.0, 3.0 / (1.0 + np.exp(-1.0))]])  # silu(x) = x * sigmoid(x)
     True
     """
+    done = FAST.silu_and_mul(gate_up, n_threads, backend)
+    if done is not None:
+        return done
     x = f32_array(gate_up, "gate_up", ndim=2)
     if x.shape[1] % 2:
         raise ValueError(f"gate_up must have an even last dimension [gate | up], got shape {x.shape}")
@@ -292,6 +296,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
     >>> np.allclose(dk.linear(x, w16), 1.5 * x.sum(-1, keepdims=True), atol=1e-5)
     True
     """
+    done = FAST.linear(x, weight, bias, precision, n_threads, backend)
+    if done is not None:
+        return done
     parts = precision_parts(precision)
     if getattr(x, "ndim", 1) < 1:
         raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
@@ -393,6 +400,9 @@ def rms_norm(x: Array, w: Array, eps: float = 1e-6, *, offset: float = 0.0, resi
     >>> res
     array([[4., 5.]], dtype=float32)
     """
+    done = FAST.rms_norm(x, w, eps, offset, residual, n_threads, backend)
+    if done is not None:
+        return done
     xa = f32_array(x, "x")
     if getattr(x, "ndim", 1) < 1 or xa.shape[-1] == 0:
         raise ValueError(f"x must have shape (..., H) with H >= 1, got {xa.shape}")
@@ -545,6 +555,9 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     >>> np.allclose(x, y)
     True
     """
+    done = FAST.apply_rope(x, positions, theta, rotary_dim, inv_freq, out, n_threads, backend)
+    if done is not None:
+        return done
     xa = f32_array(x, "x", ndim=3)
     t, _, d = xa.shape
     pos = index_array(positions, "positions", ndim=1)

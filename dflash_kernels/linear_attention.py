@@ -27,6 +27,7 @@ import numpy as np
 
 from ._dispatch import run
 from ._docs import shared_doc
+from ._fastpath import FAST
 from ._tensors import Array, _numpy_view, any_torch, dtype_name, f32_array, float_array, wrap
 
 
@@ -148,6 +149,10 @@ def gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
     >>> np.allclose(np.concatenate([o1, o2]), o, atol=1e-6), np.allclose(state2, state, atol=1e-6)
     (True, True)
     """
+    done = FAST.gated_delta_rule(q, k, v, g, beta, state, checkpoints, use_qk_l2norm, scale, chunk_size,
+                                 checkpoints_out, n_threads, backend)
+    if done is not None:
+        return done
     qa = f32_array(q, "q", ndim=3)
     ka = f32_array(k, "k", ndim=3)
     va = f32_array(v, "v", ndim=3)

@@ -15,14 +15,14 @@ pytestmark = pytest.mark.skipif("cython" not in dk.available_backends(), reason=
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
-    _autotune._state["stamp"] = None
+    _autotune.table_written()
     yield tmp_path / "kernel_autotune.json"
-    _autotune._state["stamp"] = None
+    _autotune.table_written()
 
 
 def _force(cache, entries, n_threads=2):
     cache.write_text(json.dumps({_autotune.machine_key(n_threads): {"torch": entries, "measured": {}}}))
-    _autotune._state["stamp"] = None
+    _autotune.table_written()
 
 
 def test_tune_writes_the_table_and_config_lists_it(cache, capsys):
@@ -68,7 +68,7 @@ def test_bf16_weights_above_medium_never_delegate(cache):
 
 def test_other_machines_entries_do_not_apply(cache):
     cache.write_text(json.dumps({"another cpu | tier avx2 | 2 threads": {"torch": ["M16 N40 K64 fp32 p3"]}}))
-    _autotune._state["stamp"] = None
+    _autotune.table_written()
     assert not _autotune.delegates(16, 40, 64, False, 3, 2)
 
 

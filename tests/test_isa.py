@@ -118,7 +118,9 @@ import contextlib, io
 with contextlib.redirect_stdout(io.StringIO()):
     dk.show_config()  # lists the compiled tiers without importing those above the cap
 maps = open("/proc/self/maps").read()
-tiers = sorted({l.split("/_cython/")[1].split("/")[0] for l in maps.splitlines() if "/_cython/" in l})
+# the tier packages' modules (dflash_kernels/_cython/<tier>/<stem>), not the untiered fast path
+tiers = sorted({l.split("/_cython/")[1].split("/")[0] for l in maps.splitlines() if "/_cython/" in l
+                and "/" in l.split("/_cython/")[1]})
 print(dk.active_tier(), dk.kernel_module("dense").last_path(), ",".join(tiers), numba.config.CPU_NAME)
 """
 
