@@ -5,7 +5,8 @@
 For each op, tiny inputs (so that the kernel's own work is small and the difference stands out):
 
 - public = ``dk.<op>(x, w, n_threads=1)`` as users call it (``backend="auto"``, the default):
-  validation, conversion, output allocation, dispatch, the kernel;
+  validation, conversion, output allocation, dispatch, the kernel (the compiled fast path where it
+  takes the call, pyx/fastpath.pyx, else the Python path);
 - kernel = the kernel "auto" runs (``dk.kernel_module``: the active tier's compiled kernel), called
   with the arguments the public call handed it (captured once) and preallocated outputs.
 
@@ -13,8 +14,8 @@ Both are called as written-out code calls them (``kernel(x, w, out, n_threads=1)
 layer does): a star-call ``kernel(*args, **kwargs)`` costs a Cython function ~0.6 us more, which in
 the baseline would hide that much of the API layer.
 
-- bound = the same call on ``dk.BoundOps(n_threads=1)``, for the ops it calls directly (the
-  low-overhead entry for callers that own their buffers; the model layer runs on it).
+- bound = the same call on ``dk.BoundOps(n_threads=1)``, for the ops listed in BOUND (the entry for
+  callers that own their buffers; the model layer runs on it).
 
 public - kernel is the per-call cost of the API layer, bound - kernel that of ``BoundOps``. Medians
 of ``--reps`` timed calls after a warm-up, numpy inputs and torch inputs, n_threads=1; the calls are
@@ -37,7 +38,7 @@ from dflash_kernels import acceptance, attention, denoise, dense, linear_attenti
 from dflash_kernels.runtime import resolve_backend
 
 MODULES = (acceptance, attention, denoise, dense, linear_attention)
-# BoundOps' direct paths, and what their calls add to the public op's arguments
+# BoundOps methods timed, and what their calls add to the public op's arguments
 BOUND = {"linear": {}, "rms_norm": {"eps": 1e-6}, "apply_rope": {}, "silu_and_mul": {}, "cached_attention": {},
          "accept_greedy": {}}
 
@@ -69,7 +70,7 @@ def capture(name, args, kwargs):
 
     for m in MODULES:
         m.run = spy
-    try:  # backend named: the Python path (the fast path takes "auto" only), which calls run()
+    try:  # the backend named: the Python path (the fast path takes "auto" only), which calls run()
         getattr(dk, name)(*args, **kwargs, n_threads=1, backend=resolve_backend("auto", "dense"))
     finally:
         for m, r in originals.items():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ._autotune import delegates, has_table
 from ._backends import resolve
 from ._env import _HAS_DATA
@@ -35,7 +37,8 @@ def settings() -> dict:
             "max_threads": max_threads(), "parts": precision_parts(None),
             # with a tuning table, the fast path asks delegates() per linear call (keyed by thread count)
             "delegates": delegates if has_table() else None,
-            "packed_type": PackedWeight, "draw_uniforms": draw_uniforms, "min_temperature": MIN_TEMPERATURE}
+            "packed_type": PackedWeight, "draw_uniforms": draw_uniforms, "min_temperature": MIN_TEMPERATURE,
+            "torch": torch}
 
 
 class _NoFast:

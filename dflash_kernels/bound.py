@@ -181,7 +181,8 @@ class BoundOps:
 
     def gated_delta_rule(self, q, k, v, g, beta, state, checkpoints=False):
         """o (T, H_v, d_v), or (o, per-token states) with checkpoints; state updated in place."""
-        done = FAST.gated_delta_rule(q, k, v, g, beta, state, checkpoints, True, None, None, None, self._n, self.backend)
+        done = FAST.gated_delta_rule(q, k, v, g, beta, state, checkpoints, True, None, None, None, self._n,
+                                     self.backend)
         if done is not None:
             return done
         return _la.gated_delta_rule(q, k, v, g, beta, state, checkpoints=checkpoints, **self.kw)

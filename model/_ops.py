@@ -1,5 +1,6 @@
 """The kernels as the model layer calls them: ``dk.BoundOps`` (fixed n_threads, backend and
-precision; direct kernel calls on the model's own buffers), with the time spent inside counted.
+precision; the public ops' compiled fast path on the model's own buffers), with the time spent inside
+counted.
 
 ``Ops.kernel_s`` accumulates wall time inside kernel calls, so the engine can report the Python
 overhead of a round (round time minus kernel time).

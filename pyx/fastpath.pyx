@@ -53,6 +53,7 @@ cdef extern from *:
 
 cdef long _generation = 0
 cdef dict _PARTS = {"highest": 3, "high": 2, "medium": 1}  # as dflash_kernels/_precision.py
+cdef object _DECLINE = object()  # an operand the Python path must convert (never None: None means "absent")
 cdef double REFRESH_S = 1.0  # settings re-resolved at least this often (the tuning table's check interval)
 
 
@@ -78,6 +79,11 @@ cdef inline bint _plain_float(object a, int ndim):
 
 cdef inline Py_ssize_t _dim(object a, int i):
     return cnp.PyArray_DIM(<cnp.ndarray> a, i)
+
+
+cdef inline bint _same_shape(object a, object b, int ndim):
+    """Two plain arrays of `ndim` dims, of one shape."""
+    return cnp.PyArray_CompareLists(cnp.PyArray_DIMS(<cnp.ndarray> a), cnp.PyArray_DIMS(<cnp.ndarray> b), ndim)
 
 
 cdef inline bint _ids_in(object a, int64_t low, int64_t high):
@@ -168,6 +174,7 @@ cdef class Fast:
     cdef double _resolved_at
     cdef bint _ready
     cdef object dense, attention, acceptance, denoise, linear_attention, delegates, packed_type, draw_uniforms
+    cdef object tensor_type, from_numpy, torch_f32, torch_bf16, torch_i16
     cdef double _min_temperature
     cdef int _env_threads, _parts
     cdef object _max_threads
@@ -207,8 +214,31 @@ cdef class Fast:
         self._env_threads, self._max_threads, self._parts = found["env_threads"], found["max_threads"], found["parts"]
         self.delegates, self.packed_type = found["delegates"], found["packed_type"]
         self.draw_uniforms, self._min_temperature = found["draw_uniforms"], found["min_temperature"]
+        torch = found["torch"]
+        self.tensor_type, self.from_numpy = torch.Tensor, torch.from_numpy
+        self.torch_f32, self.torch_bf16, self.torch_i16 = torch.float32, torch.bfloat16, torch.int16
         self._raws, self._generation, self._resolved_at, self._ready = raws, _generation, now, True
         return True
+
+    cdef object _numpy(self, object a):
+        """a as the kernels take it: a torch.Tensor (not a subclass) of float32 or bf16 as its numpy view
+        (bf16 as uint16, zero-copy), anything else as it is; None where the Python path must convert
+        it (a tensor that requires grad, lives on another device, or has another dtype): _DECLINE."""
+        if type(a) is not self.tensor_type:
+            return a
+        dtype = a.dtype
+        try:
+            if dtype is self.torch_f32:
+                return a.numpy()
+            if dtype is self.torch_bf16:
+                return a.view(self.torch_i16).numpy().view(np.uint16)
+        except (RuntimeError, TypeError):  # requires grad, not on the CPU, a conjugate / negative view
+            pass
+        return _DECLINE
+
+    cdef object _result(self, object out, bint torch_out):
+        """out in the caller's framework (float32 outputs; the Python path's wrap())."""
+        return self.from_numpy(out) if torch_out else out
 
     cdef int _threads(self, object n_threads) except -2:
         """n_threads resolved as ``resolve_threads`` does, or -1 (the Python path decides)."""
@@ -235,7 +265,9 @@ cdef class Fast:
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
             return None
         cdef int parts = self._precision(precision), nt = self._threads(n_threads)
-        if parts < 0 or nt < 0 or not _plain(x, cnp.NPY_FLOAT32, 2):
+        cdef bint torch_out = type(x) is self.tensor_type  # the result is a tensor if x is one
+        x, weight, bias = self._numpy(x), self._numpy(weight), self._numpy(bias)
+        if parts < 0 or nt < 0 or weight is _DECLINE or bias is _DECLINE or not _plain(x, cnp.NPY_FLOAT32, 2):
             return None
         cdef cnp.npy_intp dims[2]
         cdef Py_ssize_t k = _dim(x, 1)
@@ -260,20 +292,23 @@ cdef class Fast:
             out = _empty(2, dims, cnp.NPY_FLOAT32)
             self.dense.linear_packed(x, weight.data, bias, out, n_threads=nt, parts=parts,
                                      weights_finite=weight.finite)
-            return out
+            return self._result(out, torch_out)
         if self.delegates is not None and self.delegates(dims[0], dims[1], k,
                                                          cnp.PyArray_TYPE(<cnp.ndarray> weight) == cnp.NPY_UINT16,
                                                          parts, nt):
             return None  # torch runs this shape (tune_linear): the Python path calls it
         out = _empty(2, dims, cnp.NPY_FLOAT32)
         self.dense.linear(x, weight, bias, out, n_threads=nt, parts=parts)
-        return out
+        return self._result(out, torch_out)
 
     def rms_norm(self, x, w, eps, offset, residual, n_threads, backend):
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
             return None
         cdef int nt = self._threads(n_threads)
-        if nt < 0 or type(x) is not cnp.ndarray or type(eps) is not float or type(offset) is not float:
+        cdef bint torch_out = type(x) is self.tensor_type
+        x, w, residual = self._numpy(x), self._numpy(w), self._numpy(residual)
+        if nt < 0 or residual is _DECLINE or type(x) is not cnp.ndarray or type(eps) is not float \
+                or type(offset) is not float:
             return None
         cdef int ndim = cnp.PyArray_NDIM(<cnp.ndarray> x)
         if ndim < 1 or not _plain(x, cnp.NPY_FLOAT32, ndim) or not _plain(w, cnp.NPY_FLOAT32, 1):
@@ -282,9 +317,7 @@ cdef class Fast:
         cdef double e = eps, o = offset
         if h == 0 or size == 0 or _dim(w, 0) != h or not (e >= 0.0 and isfinite(e)) or not isfinite(o):
             return None
-        if residual is not None and not (_plain(residual, cnp.NPY_FLOAT32, ndim)
-                                         and cnp.PyArray_CompareLists(cnp.PyArray_DIMS(<cnp.ndarray> x),
-                                                                      cnp.PyArray_DIMS(<cnp.ndarray> residual), ndim)):
+        if residual is not None and not (_plain(residual, cnp.NPY_FLOAT32, ndim) and _same_shape(x, residual, ndim)):
             return None
         cdef cnp.npy_intp rows[2]
         rows[0], rows[1] = size // h, h
@@ -292,11 +325,11 @@ cdef class Fast:
         x2, out2 = (x, out) if ndim == 2 else (_rows(x, rows), _rows(out, rows))
         if residual is None:
             self.dense.rms_norm(x2, w, out2, n_threads=nt, eps=eps, offset=offset)
-            return out
+            return self._result(out, torch_out)
         new_res = _empty(ndim, cnp.PyArray_DIMS(<cnp.ndarray> x), cnp.NPY_FLOAT32)
         r2, new2 = (residual, new_res) if ndim == 2 else (_rows(residual, rows), _rows(new_res, rows))
         self.dense.rms_norm_residual(x2, r2, w, out2, new2, n_threads=nt, eps=eps, offset=offset)
-        return out, new_res
+        return self._result(out, torch_out), self._result(new_res, torch_out)
 
     def apply_rope(self, x, positions, theta, rotary_dim, inv_freq, out, n_threads, backend):
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
@@ -326,7 +359,7 @@ cdef class Fast:
         if out is None:
             out = _empty(3, cnp.PyArray_DIMS(<cnp.ndarray> x), cnp.NPY_FLOAT32)
         elif not (_plain(out, cnp.NPY_FLOAT32, 3) and cnp.PyArray_ISWRITEABLE(<cnp.ndarray> out)
-                  and cnp.PyArray_CompareLists(cnp.PyArray_DIMS(<cnp.ndarray> x), cnp.PyArray_DIMS(<cnp.ndarray> out), 3)):
+                  and _same_shape(x, out, 3)):
             return None
         self.dense.apply_rope(x, positions, out, n_threads=nt, theta=th, rotary_dim=rotary_dim, inv_freq=inv_freq)
         return out
@@ -335,6 +368,8 @@ cdef class Fast:
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
             return None
         cdef int nt = self._threads(n_threads)
+        cdef bint torch_out = type(gate_up) is self.tensor_type
+        gate_up = self._numpy(gate_up)
         if nt < 0 or not _plain(gate_up, cnp.NPY_FLOAT32, 2):
             return None
         cdef cnp.npy_intp dims[2]
@@ -343,7 +378,7 @@ cdef class Fast:
             return None
         out = _empty(2, dims, cnp.NPY_FLOAT32)
         self.dense.silu_and_mul(gate_up, out, n_threads=nt)
-        return out
+        return self._result(out, torch_out)
 
     cdef int _attention_args(self, q, scale, window, precision, n_threads, backend, double *sc) except -2:
         """Threads for an attention call whose q, scale, window, precision, n_threads and backend are
@@ -369,13 +404,14 @@ cdef class Fast:
         """k, v: plain (T, H_kv, D) pair of one dtype, D = d, H_kv dividing h_q."""
         if not _plain_float(k, 3) or not _plain_float(v, 3):
             return False
-        cdef cnp.ndarray ka = <cnp.ndarray> k, va = <cnp.ndarray> v
-        return (cnp.PyArray_TYPE(ka) == cnp.PyArray_TYPE(va) and cnp.PyArray_CompareLists(
-                    cnp.PyArray_DIMS(ka), cnp.PyArray_DIMS(va), 3)
+        return (cnp.PyArray_TYPE(<cnp.ndarray> k) == cnp.PyArray_TYPE(<cnp.ndarray> v) and _same_shape(k, v, 3)
                 and _dim(k, 2) == d and _dim(k, 1) >= 1 and h_q % _dim(k, 1) == 0)
 
     def cached_attention(self, q, k_cache, v_cache, causal, scale, window, precision, n_threads, backend):
         cdef double sc
+        cdef bint torch_out = type(q) is self.tensor_type or type(k_cache) is self.tensor_type \
+            or type(v_cache) is self.tensor_type
+        q, k_cache, v_cache = self._numpy(q), self._numpy(k_cache), self._numpy(v_cache)
         cdef int nt = self._attention_args(q, scale, window, precision, n_threads, backend, &sc)
         if nt < 0 or type(causal) is not bool or not self._kv(k_cache, v_cache, _dim(q, 1), _dim(q, 2)) \
                 or _dim(q, 0) > _dim(k_cache, 0):
@@ -383,11 +419,16 @@ cdef class Fast:
         out = _empty(3, cnp.PyArray_DIMS(<cnp.ndarray> q), cnp.NPY_FLOAT32)
         self.attention.cached_attention(q, k_cache, v_cache, out, n_threads=nt, causal=causal, scale=sc,
                                         window=window, parts=self._precision(precision))
-        return out
+        return self._result(out, torch_out)
 
     def injected_kv_attention(self, q, k_ctx, v_ctx, k_blk, v_blk, scale, causal_block, window, precision,
                               n_threads, backend):
         cdef double sc
+        cdef bint torch_out = False
+        for a in (q, k_ctx, v_ctx, k_blk, v_blk):
+            torch_out = torch_out or type(a) is self.tensor_type
+        q, k_ctx, v_ctx = self._numpy(q), self._numpy(k_ctx), self._numpy(v_ctx)
+        k_blk, v_blk = self._numpy(k_blk), self._numpy(v_blk)
         cdef int nt = self._attention_args(q, scale, window, precision, n_threads, backend, &sc)
         if nt < 0 or type(causal_block) is not bool or not self._kv(k_ctx, v_ctx, _dim(q, 1), _dim(q, 2)) \
                 or not self._kv(k_blk, v_blk, _dim(q, 1), _dim(q, 2)) or _dim(k_blk, 1) != _dim(k_ctx, 1) \
@@ -397,7 +438,7 @@ cdef class Fast:
         self.attention.injected_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, out, n_threads=nt, scale=sc,
                                              causal_block=causal_block, window=window,
                                              parts=self._precision(precision))
-        return out
+        return self._result(out, torch_out)
 
     cdef bint _sampling(self, temperature, top_k, top_p, double *t, Py_ssize_t *k, double *p) except -1:
         """check_sampling's rules (dflash_kernels/acceptance.py): False where it would raise."""
@@ -489,7 +530,7 @@ cdef class Fast:
             return None
         cdef cnp.npy_intp t = _dim(q, 0), hk = _dim(q, 1), dk = _dim(q, 2), hv = _dim(v, 1), dv = _dim(v, 2)
         if t == 0 or hk == 0 or hv == 0 or dk == 0 or dv == 0 or hv % hk or _dim(v, 0) != t \
-                or not cnp.PyArray_CompareLists(cnp.PyArray_DIMS(<cnp.ndarray> q), cnp.PyArray_DIMS(<cnp.ndarray> k), 3) \
+                or not _same_shape(q, k, 3) \
                 or _dim(g, 0) != t or _dim(g, 1) != hv or _dim(beta, 0) != t or _dim(beta, 1) != hv \
                 or _dim(state, 0) != hv or _dim(state, 1) != dk or _dim(state, 2) != dv:
             return None

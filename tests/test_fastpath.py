@@ -50,6 +50,14 @@ def _cases(rng):
         (dk.cached_attention, (q, _bf16(rng, 9, 2, 8), _bf16(rng, 9, 2, 8)), {"causal": False, "scale": 0.3}),
         (dk.injected_kv_attention, (q, k, v, _f32(rng, 3, 2, 8), _f32(rng, 3, 2, 8)), {"causal_block": True}),
         (dk.accept_greedy, (drafts, targets), {"vocab_size": 8}),
+        # torch tensors, as engines pass them (the vLLM plugin: x and bias tensors, a PackedWeight)
+        (dk.linear, (torch.from_numpy(x), dk.prepare_weight(_bf16(rng, 7, 24)), torch.from_numpy(b)), {}),
+        (dk.linear, (torch.from_numpy(x), torch.from_numpy(_bf16(rng, 7, 24).view(np.int16)).view(torch.bfloat16)),
+         {}),
+        (dk.rms_norm, (torch.from_numpy(x), _f32(rng, 24)), {"residual": torch.from_numpy(_f32(rng, 5, 24))}),
+        (dk.silu_and_mul, (torch.from_numpy(x),), {}),
+        (dk.cached_attention, (q, torch.from_numpy(k), v), {}),
+        (dk.injected_kv_attention, (torch.from_numpy(q), k, v, _f32(rng, 3, 2, 8), _f32(rng, 3, 2, 8)), {}),
         (dk.denoise_block, (x, w), {}),
         (dk.denoise_block, (x, _bf16(rng, 7, 24)), {"temperature": 0.8, "top_k": 3, "uniforms": rng.random(5)}),
         (dk.denoise_block, (x, w), {"temperature": 1, "top_p": 0.9, "generator": 7}),
@@ -108,7 +116,11 @@ def _same(a, b):
     else:
         assert type(a) is type(b)
         assert a.shape == b.shape and a.dtype == b.dtype
-        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+        assert np.array_equal(_values(a), _values(b), equal_nan=True)
+
+
+def _values(a):
+    return a.detach().float().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
 
 
 def test_plain_calls_take_the_fast_path_and_give_the_python_paths_bits(monkeypatch):
@@ -121,8 +133,8 @@ def test_plain_calls_take_the_fast_path_and_give_the_python_paths_bits(monkeypat
 
 
 def test_the_python_path_still_runs_where_the_fast_path_declines(monkeypatch):
-    """torch tensors take the Python path; it must be reached (here it fails on purpose)."""
-    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    """A strided x takes the Python path; it must be reached (here it fails on purpose)."""
+    x, w = np.ones((2, 6), np.float32)[:, ::2], np.ones((4, 3), np.float32)
     with monkeypatch.context() as m:
         m.setattr(dense, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("python path")))
         with pytest.raises(RuntimeError, match="python path"):
@@ -150,6 +162,9 @@ def _mutations():
         arrays(lambda a: np.full_like(a, np.nan), "f"),
         arrays(lambda a: np.full_like(a, -np.inf), "f"),
         arrays(lambda a: torch.from_numpy(np.ascontiguousarray(a))),
+        arrays(lambda a: torch.from_numpy(a.copy()).requires_grad_(), "f"),
+        arrays(lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16), "u"),
+        arrays(lambda a: torch.nn.Parameter(torch.from_numpy(a.copy()), requires_grad=False), "f"),
         arrays(lambda a: a.astype(a.dtype.newbyteorder())),
         arrays(lambda a: a.tolist()),
         arrays(lambda a: np.require(a, requirements="C").view(np.matrix) if a.ndim == 2 else a),
