@@ -226,13 +226,15 @@ cdef class Fast:
         it (a tensor that requires grad, lives on another device, or has another dtype): _DECLINE."""
         if type(a) is not self.tensor_type:
             return a
+        if a.requires_grad or not a.is_cpu:  # asked first: numpy() would throw from C++ (ASan stops on that)
+            return _DECLINE
         dtype = a.dtype
         try:
             if dtype is self.torch_f32:
                 return a.numpy()
             if dtype is self.torch_bf16:
                 return a.view(self.torch_i16).numpy().view(np.uint16)
-        except (RuntimeError, TypeError):  # requires grad, not on the CPU, a conjugate / negative view
+        except (RuntimeError, TypeError):  # a conjugate / negative view
             pass
         return _DECLINE
 
