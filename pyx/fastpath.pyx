@@ -174,7 +174,7 @@ cdef class Fast:
     cdef double _resolved_at
     cdef bint _ready
     cdef object dense, attention, acceptance, denoise, linear_attention, delegates, packed_type, draw_uniforms
-    cdef object tensor_type, from_numpy, torch_f32, torch_bf16, torch_i16
+    cdef object tensor_type, from_numpy, torch_f32, torch_bf16, torch_i16, torch_i64, torch_f64
     cdef double _min_temperature
     cdef int _env_threads, _parts
     cdef object _max_threads
@@ -217,11 +217,13 @@ cdef class Fast:
         torch = found["torch"]
         self.tensor_type, self.from_numpy = torch.Tensor, torch.from_numpy
         self.torch_f32, self.torch_bf16, self.torch_i16 = torch.float32, torch.bfloat16, torch.int16
+        self.torch_i64, self.torch_f64 = torch.int64, torch.float64
         self._raws, self._generation, self._resolved_at, self._ready = raws, _generation, now, True
         return True
 
     cdef object _numpy(self, object a):
-        """a as the kernels take it: a torch.Tensor (not a subclass) of float32 or bf16 as its numpy view
+        """a as the kernels take it: a torch.Tensor (not a subclass) of float32, bf16, int64 or float64 as its
+        numpy view
         (bf16 as uint16, zero-copy), anything else as it is; None where the Python path must convert
         it (a tensor that requires grad, lives on another device, or has another dtype): _DECLINE."""
         if type(a) is not self.tensor_type:
@@ -230,7 +232,7 @@ cdef class Fast:
             return _DECLINE
         dtype = a.dtype
         try:
-            if dtype is self.torch_f32:
+            if dtype is self.torch_f32 or dtype is self.torch_i64 or dtype is self.torch_f64:
                 return a.numpy()
             if dtype is self.torch_bf16:
                 return a.view(self.torch_i16).numpy().view(np.uint16)
@@ -239,8 +241,15 @@ cdef class Fast:
         return _DECLINE
 
     cdef object _result(self, object out, bint torch_out):
-        """out in the caller's framework (float32 outputs; the Python path's wrap())."""
+        """out in the caller's framework (float32 and int64 outputs; the Python path's wrap())."""
         return self.from_numpy(out) if torch_out else out
+
+    cdef bint _any_torch(self, tuple operands):
+        cdef object a
+        for a in operands:
+            if type(a) is self.tensor_type:
+                return True
+        return False
 
     cdef int _threads(self, object n_threads) except -2:
         """n_threads resolved as ``resolve_threads`` does, or -1 (the Python path decides)."""
@@ -337,19 +346,16 @@ cdef class Fast:
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
             return None
         cdef int nt = self._threads(n_threads)
-        if nt < 0 or not _plain(x, cnp.NPY_FLOAT32, 3) or not _plain(positions, cnp.NPY_INT64, 1):
+        cdef bint torch_out = type(x) is self.tensor_type
+        given_out = out  # returned as it was passed (a tensor stays one)
+        x, positions, inv_freq, out = self._numpy(x), self._numpy(positions), self._numpy(inv_freq), self._numpy(out)
+        if nt < 0 or out is _DECLINE or not _plain(x, cnp.NPY_FLOAT32, 3) or not _plain(positions, cnp.NPY_INT64, 1):
             return None
         cdef Py_ssize_t t = _dim(x, 0), d = _dim(x, 2)
-        cdef double th
+        cdef double th = 0.0  # set by _real
         if cnp.PyArray_SIZE(<cnp.ndarray> x) == 0 or _dim(positions, 0) != t or not _ids_in(positions, 0, INT64_MAX):
             return None
-        if type(theta) is float:
-            th = theta
-        elif _exact_int(theta) and 0 < theta < 2**53:
-            th = theta
-        else:
-            return None
-        if not (isfinite(th) and th > 0):
+        if not _real(theta, &th) or not (isfinite(th) and th > 0):
             return None
         if rotary_dim is None:
             rotary_dim = d
@@ -364,7 +370,7 @@ cdef class Fast:
                   and _same_shape(x, out, 3)):
             return None
         self.dense.apply_rope(x, positions, out, n_threads=nt, theta=th, rotary_dim=rotary_dim, inv_freq=inv_freq)
-        return out
+        return given_out if given_out is not None else self._result(out, torch_out)
 
     def silu_and_mul(self, gate_up, n_threads, backend):
         if not _is_auto(backend) or not self._fresh() or self.dense is None:
@@ -456,9 +462,11 @@ cdef class Fast:
                       backend):
         if not _is_auto(backend) or not self._fresh() or self.denoise is None:
             return None
-        cdef double t, p
-        cdef Py_ssize_t k
+        cdef double t = 0.0, p = 0.0  # set by _sampling
+        cdef Py_ssize_t k = 0
         cdef int nt = self._threads(n_threads)
+        cdef bint torch_out = self._any_torch((hidden, lm_head))
+        hidden, lm_head, uniforms = self._numpy(hidden), self._numpy(lm_head), self._numpy(uniforms)
         # activations rounded to bf16 ("high", "medium"): the Python path rounds them with torch
         if nt < 0 or self._precision(precision) != 3 or not self._sampling(temperature, top_k, top_p, &t, &k, &p):
             return None
@@ -480,17 +488,20 @@ cdef class Fast:
         self.denoise.denoise_block(hidden, lm_head, tokens, status, n_threads=nt, temperature=t, top_k=k, top_p=p,
                                    uniforms=u)
         # a non-finite logit row: the Python path raises its error (the rows' status does not depend on u)
-        return tokens if _all_zero(status) else None
+        return self._result(tokens, torch_out) if _all_zero(status) else None
 
     def rejection_sample(self, draft_tokens, target_logits, draft_probs, temperature, top_k, top_p, num_draft,
                          uniforms, generator, n_threads, backend):
         """With uniforms given only: a re-run of the Python path (after a status error) sees the same."""
         if not _is_auto(backend) or not self._fresh() or self.acceptance is None or num_draft is not None:
             return None
-        cdef double t, p
-        cdef Py_ssize_t k
+        cdef double t = 0.0, p = 0.0  # set by _sampling
+        cdef Py_ssize_t k = 0
         cdef int nt = self._threads(n_threads)
-        if nt < 0 or not self._sampling(temperature, top_k, top_p, &t, &k, &p):
+        cdef bint torch_out = self._any_torch((draft_tokens, target_logits))
+        draft_tokens, target_logits = self._numpy(draft_tokens), self._numpy(target_logits)
+        draft_probs, uniforms = self._numpy(draft_probs), self._numpy(uniforms)
+        if nt < 0 or draft_probs is _DECLINE or not self._sampling(temperature, top_k, top_p, &t, &k, &p):
             return None
         if not _plain(draft_tokens, cnp.NPY_INT64, 2) or not _plain_float(target_logits, 3):
             return None
@@ -515,7 +526,9 @@ cdef class Fast:
         status = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
         self.acceptance.rejection_sample(draft_tokens, target_logits, draft_probs, num, accepted, out, status,
                                          n_threads=nt, uniforms=uniforms, temperature=t, top_k=k, top_p=p)
-        return (accepted, out) if _all_zero(status) else None
+        if not _all_zero(status):
+            return None
+        return self._result(accepted, torch_out), self._result(out, torch_out)
 
     def gated_delta_rule(self, q, k, v, g, beta, state, checkpoints, use_qk_l2norm, scale, chunk_size,
                          checkpoints_out, n_threads, backend):
@@ -525,6 +538,9 @@ cdef class Fast:
                 or type(use_qk_l2norm) is not bool:
             return None
         cdef int nt = self._threads(n_threads)
+        cdef bint torch_out = self._any_torch((q, k, v, state))
+        q, k, v, g, beta = self._numpy(q), self._numpy(k), self._numpy(v), self._numpy(g), self._numpy(beta)
+        state = self._numpy(state)  # a view: the tensor's memory is updated in place
         if nt < 0 or not _plain(q, cnp.NPY_FLOAT32, 3) or not _plain(k, cnp.NPY_FLOAT32, 3) \
                 or not _plain(v, cnp.NPY_FLOAT32, 3) or not _plain(g, cnp.NPY_FLOAT32, 2) \
                 or not _plain(beta, cnp.NPY_FLOAT32, 2) or not _plain(state, cnp.NPY_FLOAT32, 3) \
@@ -559,12 +575,14 @@ cdef class Fast:
         o, ckpts = _empty(3, o_dims, cnp.NPY_FLOAT32), _empty(4, c_dims, cnp.NPY_FLOAT32)
         self.linear_attention.gated_delta_rule(q, k, v, g, beta, state, slot, o, state, ckpts, n_threads=nt,
                                                scale=sc, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
-        return o
+        return self._result(o, torch_out)
 
     def accept_greedy(self, draft_tokens, target_tokens, num_draft, vocab_size, n_threads, backend):
         if not _is_auto(backend) or not self._fresh() or self.acceptance is None or num_draft is not None:
             return None
         cdef int nt = self._threads(n_threads)
+        cdef bint torch_out = self._any_torch((draft_tokens, target_tokens))
+        draft_tokens, target_tokens = self._numpy(draft_tokens), self._numpy(target_tokens)
         if nt < 0 or not _plain(draft_tokens, cnp.NPY_INT64, 2) or not _plain(target_tokens, cnp.NPY_INT64, 2):
             return None
         cdef cnp.npy_intp dims[2]
@@ -585,7 +603,7 @@ cdef class Fast:
             every[b] = dims[1] - 1  # every row drafts K
         accepted, out = _empty(1, dims, cnp.NPY_INT64), _empty(2, dims, cnp.NPY_INT64)
         self.acceptance.accept_greedy(draft_tokens, target_tokens, num, accepted, out, n_threads=nt)
-        return accepted, out
+        return self._result(accepted, torch_out), self._result(out, torch_out)
 
 
 cdef object _rows(object a, cnp.npy_intp *rows):
