@@ -81,6 +81,23 @@ cdef inline Py_ssize_t _dim(object a, int i):
     return cnp.PyArray_DIM(<cnp.ndarray> a, i)
 
 
+cdef object _f32(object a, int ndim):
+    """A plain float32 array of `ndim` dims as it is, a plain bf16 (uint16) one upcast to a float32 copy
+    (exact: the bits shifted up, as bf16_to_f32), anything else None."""
+    if _plain(a, cnp.NPY_FLOAT32, ndim):
+        return a
+    if not _plain(a, cnp.NPY_UINT16, ndim):
+        return None
+    cdef cnp.ndarray src = <cnp.ndarray> a
+    out = _empty(ndim, cnp.PyArray_DIMS(src), cnp.NPY_FLOAT32)
+    cdef const unsigned short *p = <const unsigned short *> cnp.PyArray_DATA(src)
+    cdef unsigned int *q = <unsigned int *> cnp.PyArray_DATA(<cnp.ndarray> out)
+    cdef Py_ssize_t i
+    for i in range(cnp.PyArray_SIZE(src)):
+        q[i] = (<unsigned int> p[i]) << 16
+    return out
+
+
 cdef inline bint _same_shape(object a, object b, int ndim):
     """Two plain arrays of `ndim` dims, of one shape."""
     return cnp.PyArray_CompareLists(cnp.PyArray_DIMS(<cnp.ndarray> a), cnp.PyArray_DIMS(<cnp.ndarray> b), ndim)
@@ -277,8 +294,8 @@ cdef class Fast:
             return None
         cdef int parts = self._precision(precision), nt = self._threads(n_threads)
         cdef bint torch_out = type(x) is self.tensor_type  # the result is a tensor if x is one
-        x, weight, bias = self._numpy(x), self._numpy(weight), self._numpy(bias)
-        if parts < 0 or nt < 0 or weight is _DECLINE or bias is _DECLINE or not _plain(x, cnp.NPY_FLOAT32, 2):
+        x, weight, bias = _f32(self._numpy(x), 2), self._numpy(weight), self._numpy(bias)
+        if parts < 0 or nt < 0 or x is None or weight is _DECLINE or bias is _DECLINE:
             return None
         cdef cnp.npy_intp dims[2]
         cdef Py_ssize_t k = _dim(x, 1)
@@ -297,8 +314,10 @@ cdef class Fast:
             return None
         if dims[0] == 0 or dims[1] == 0 or k == 0:
             return None
-        if bias is not None and not (_plain(bias, cnp.NPY_FLOAT32, 1) and _dim(bias, 0) == dims[1]):
-            return None
+        if bias is not None:
+            bias = _f32(bias, 1)
+            if bias is None or _dim(bias, 0) != dims[1]:
+                return None
         if packed:
             out = _empty(2, dims, cnp.NPY_FLOAT32)
             self.dense.linear_packed(x, weight.data, bias, out, n_threads=nt, parts=parts,
@@ -322,14 +341,17 @@ cdef class Fast:
                 or type(offset) is not float:
             return None
         cdef int ndim = cnp.PyArray_NDIM(<cnp.ndarray> x)
-        if ndim < 1 or not _plain(x, cnp.NPY_FLOAT32, ndim) or not _plain(w, cnp.NPY_FLOAT32, 1):
+        x, w = _f32(x, ndim), _f32(w, 1)
+        if ndim < 1 or x is None or w is None:
             return None
         cdef Py_ssize_t h = _dim(x, ndim - 1), size = cnp.PyArray_SIZE(<cnp.ndarray> x)
         cdef double e = eps, o = offset
         if h == 0 or size == 0 or _dim(w, 0) != h or not (e >= 0.0 and isfinite(e)) or not isfinite(o):
             return None
-        if residual is not None and not (_plain(residual, cnp.NPY_FLOAT32, ndim) and _same_shape(x, residual, ndim)):
-            return None
+        if residual is not None:
+            residual = _f32(residual, ndim)
+            if residual is None or not _same_shape(x, residual, ndim):
+                return None
         cdef cnp.npy_intp rows[2]
         rows[0], rows[1] = size // h, h
         out = _empty(ndim, cnp.PyArray_DIMS(<cnp.ndarray> x), cnp.NPY_FLOAT32)
@@ -349,7 +371,8 @@ cdef class Fast:
         cdef bint torch_out = type(x) is self.tensor_type
         given_out = out  # returned as it was passed (a tensor stays one)
         x, positions, inv_freq, out = self._numpy(x), self._numpy(positions), self._numpy(inv_freq), self._numpy(out)
-        if nt < 0 or out is _DECLINE or not _plain(x, cnp.NPY_FLOAT32, 3) or not _plain(positions, cnp.NPY_INT64, 1):
+        x = _f32(x, 3)
+        if nt < 0 or out is _DECLINE or x is None or not _plain(positions, cnp.NPY_INT64, 1):
             return None
         cdef Py_ssize_t t = _dim(x, 0), d = _dim(x, 2)
         cdef double th = 0.0  # set by _real
@@ -377,8 +400,8 @@ cdef class Fast:
             return None
         cdef int nt = self._threads(n_threads)
         cdef bint torch_out = type(gate_up) is self.tensor_type
-        gate_up = self._numpy(gate_up)
-        if nt < 0 or not _plain(gate_up, cnp.NPY_FLOAT32, 2):
+        gate_up = _f32(self._numpy(gate_up), 2)
+        if nt < 0 or gate_up is None:
             return None
         cdef cnp.npy_intp dims[2]
         dims[0], dims[1] = _dim(gate_up, 0), _dim(gate_up, 1) // 2
@@ -419,7 +442,7 @@ cdef class Fast:
         cdef double sc
         cdef bint torch_out = type(q) is self.tensor_type or type(k_cache) is self.tensor_type \
             or type(v_cache) is self.tensor_type
-        q, k_cache, v_cache = self._numpy(q), self._numpy(k_cache), self._numpy(v_cache)
+        q, k_cache, v_cache = _f32(self._numpy(q), 3), self._numpy(k_cache), self._numpy(v_cache)
         cdef int nt = self._attention_args(q, scale, window, precision, n_threads, backend, &sc)
         if nt < 0 or type(causal) is not bool or not self._kv(k_cache, v_cache, _dim(q, 1), _dim(q, 2)) \
                 or _dim(q, 0) > _dim(k_cache, 0):
@@ -435,7 +458,7 @@ cdef class Fast:
         cdef bint torch_out = False
         for a in (q, k_ctx, v_ctx, k_blk, v_blk):
             torch_out = torch_out or type(a) is self.tensor_type
-        q, k_ctx, v_ctx = self._numpy(q), self._numpy(k_ctx), self._numpy(v_ctx)
+        q, k_ctx, v_ctx = _f32(self._numpy(q), 3), self._numpy(k_ctx), self._numpy(v_ctx)
         k_blk, v_blk = self._numpy(k_blk), self._numpy(v_blk)
         cdef int nt = self._attention_args(q, scale, window, precision, n_threads, backend, &sc)
         if nt < 0 or type(causal_block) is not bool or not self._kv(k_ctx, v_ctx, _dim(q, 1), _dim(q, 2)) \
@@ -470,7 +493,8 @@ cdef class Fast:
         # activations rounded to bf16 ("high", "medium"): the Python path rounds them with torch
         if nt < 0 or self._precision(precision) != 3 or not self._sampling(temperature, top_k, top_p, &t, &k, &p):
             return None
-        if not _plain(hidden, cnp.NPY_FLOAT32, 2) or not _plain_float(lm_head, 2):
+        hidden = _f32(hidden, 2)
+        if hidden is None or not _plain_float(lm_head, 2):
             return None
         cdef cnp.npy_intp rows = _dim(hidden, 0)
         if rows == 0 or _dim(hidden, 1) == 0 or _dim(lm_head, 0) == 0 or _dim(lm_head, 1) != _dim(hidden, 1) \
@@ -539,7 +563,8 @@ cdef class Fast:
             return None
         cdef int nt = self._threads(n_threads)
         cdef bint torch_out = self._any_torch((q, k, v, state))
-        q, k, v, g, beta = self._numpy(q), self._numpy(k), self._numpy(v), self._numpy(g), self._numpy(beta)
+        q, k, v = _f32(self._numpy(q), 3), _f32(self._numpy(k), 3), _f32(self._numpy(v), 3)
+        g, beta = _f32(self._numpy(g), 2), _f32(self._numpy(beta), 2)
         state = self._numpy(state)  # a view: the tensor's memory is updated in place
         if nt < 0 or not _plain(q, cnp.NPY_FLOAT32, 3) or not _plain(k, cnp.NPY_FLOAT32, 3) \
                 or not _plain(v, cnp.NPY_FLOAT32, 3) or not _plain(g, cnp.NPY_FLOAT32, 2) \

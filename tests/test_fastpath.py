@@ -52,6 +52,9 @@ def _cases(rng):
         (dk.accept_greedy, (drafts, targets), {"vocab_size": 8}),
         # torch tensors, as engines pass them (the vLLM plugin: x and bias tensors, a PackedWeight)
         (dk.linear, (torch.from_numpy(x), dk.prepare_weight(_bf16(rng, 7, 24)), torch.from_numpy(b)), {}),
+        (dk.linear, (torch.from_numpy(_bf16(rng, 5, 24).view(np.int16)).view(torch.bfloat16),
+                     dk.prepare_weight(_bf16(rng, 7, 24))), {"precision": "medium"}),  # as vLLM's bf16 layers
+        (dk.rms_norm, (_bf16(rng, 5, 24), _bf16(rng, 24)), {}),
         (dk.linear, (torch.from_numpy(x), torch.from_numpy(_bf16(rng, 7, 24).view(np.int16)).view(torch.bfloat16)),
          {}),
         (dk.rms_norm, (torch.from_numpy(x), _f32(rng, 24)), {"residual": torch.from_numpy(_f32(rng, 5, 24))}),
@@ -155,6 +158,7 @@ def _mutations():
     return [
         arrays(lambda a: a.astype(np.float64)),
         arrays(lambda a: a.astype(np.int32)),
+        arrays(lambda a: (a.view(np.uint32) >> 16).astype(np.uint16), "f"),  # float32 to bf16 bits
         arrays(np.asfortranarray),
         arrays(lambda a: a[..., ::2]),
         arrays(lambda a: a[:-1]),
