@@ -22,7 +22,7 @@ cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
-from libc.math cimport isfinite, pow
+from libc.math cimport INFINITY, isfinite, pow
 from libc.stdint cimport INT64_MAX, int64_t
 
 import numpy as np
@@ -114,37 +114,36 @@ cdef inline bint _ids_in(object a, int64_t low, int64_t high):
     return True
 
 
-cdef inline bint _finite_positive(object a):
-    """Every value of a plain float64 array finite and > 0."""
-    cdef cnp.ndarray arr = <cnp.ndarray> a
-    cdef const double *p = <const double *> cnp.PyArray_DATA(arr)
+ctypedef fused real_t:
+    float
+    double
+
+
+cdef inline bint _reals_in(const real_t *p, Py_ssize_t n, double low, double high, bint low_closed):
+    """Every p[i] in [low, high) (low_closed) or (low, high); NaN never is."""
     cdef Py_ssize_t i
-    for i in range(cnp.PyArray_SIZE(arr)):
-        if not (isfinite(p[i]) and p[i] > 0):
+    for i in range(n):
+        if not ((p[i] >= low if low_closed else p[i] > low) and p[i] < high):
             return False
     return True
+
+
+cdef inline bint _finite_positive(object a):
+    """Every value of a plain float64 array finite and > 0."""
+    return _reals_in(<const double *> cnp.PyArray_DATA(<cnp.ndarray> a), cnp.PyArray_SIZE(<cnp.ndarray> a),
+                     0.0, INFINITY, False)
 
 
 cdef inline bint _finite(object a):
     """Every value of a plain float32 array finite."""
-    cdef cnp.ndarray arr = <cnp.ndarray> a
-    cdef const float *p = <const float *> cnp.PyArray_DATA(arr)
-    cdef Py_ssize_t i
-    for i in range(cnp.PyArray_SIZE(arr)):
-        if not isfinite(p[i]):
-            return False
-    return True
+    return _reals_in(<const float *> cnp.PyArray_DATA(<cnp.ndarray> a), cnp.PyArray_SIZE(<cnp.ndarray> a),
+                     -INFINITY, INFINITY, False)
 
 
 cdef inline bint _unit_interval(object a):
     """Every value of a plain float64 array in [0, 1)."""
-    cdef cnp.ndarray arr = <cnp.ndarray> a
-    cdef const double *p = <const double *> cnp.PyArray_DATA(arr)
-    cdef Py_ssize_t i
-    for i in range(cnp.PyArray_SIZE(arr)):
-        if not (0.0 <= p[i] < 1.0):
-            return False
-    return True
+    return _reals_in(<const double *> cnp.PyArray_DATA(<cnp.ndarray> a), cnp.PyArray_SIZE(<cnp.ndarray> a),
+                     0.0, 1.0, True)
 
 
 cdef inline bint _all_zero(object a):
@@ -166,6 +165,16 @@ cdef inline bint _real(object v, double *out):
         out[0] = v
         return True
     return False
+
+
+cdef tuple _verify_outputs(cnp.npy_intp *dims):
+    """(num_draft, num_accepted, out) of a verify round over dims = (B, K + 1): num_draft all K."""
+    num = _empty(1, dims, cnp.NPY_INT64)
+    cdef int64_t *every = <int64_t *> cnp.PyArray_DATA(<cnp.ndarray> num)
+    cdef Py_ssize_t b
+    for b in range(dims[0]):
+        every[b] = dims[1] - 1  # every row drafts K
+    return num, _empty(1, dims, cnp.NPY_INT64), _empty(2, dims, cnp.NPY_INT64)
 
 
 cdef inline object _empty(int ndim, cnp.npy_intp *dims, int typenum):
@@ -541,12 +550,7 @@ cdef class Fast:
         if not (_plain(uniforms, cnp.NPY_FLOAT64, 3) and _dim(uniforms, 0) == dims[0] and _dim(uniforms, 1) == dims[1]
                 and _dim(uniforms, 2) == 2 and _unit_interval(uniforms)):
             return None
-        num = _empty(1, dims, cnp.NPY_INT64)
-        cdef int64_t *every = <int64_t *> cnp.PyArray_DATA(<cnp.ndarray> num)
-        cdef Py_ssize_t b
-        for b in range(dims[0]):
-            every[b] = dims[1] - 1  # every row drafts K
-        accepted, out = _empty(1, dims, cnp.NPY_INT64), _empty(2, dims, cnp.NPY_INT64)
+        num, accepted, out = _verify_outputs(dims)
         status = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
         self.acceptance.rejection_sample(draft_tokens, target_logits, draft_probs, num, accepted, out, status,
                                          n_threads=nt, uniforms=uniforms, temperature=t, top_k=k, top_p=p)
@@ -621,12 +625,7 @@ cdef class Fast:
             high = vocab_size
         if not _ids_in(draft_tokens, 0, high) or not _ids_in(target_tokens, 0, high):
             return None
-        num = _empty(1, dims, cnp.NPY_INT64)
-        cdef int64_t *every = <int64_t *> cnp.PyArray_DATA(<cnp.ndarray> num)
-        cdef Py_ssize_t b
-        for b in range(dims[0]):
-            every[b] = dims[1] - 1  # every row drafts K
-        accepted, out = _empty(1, dims, cnp.NPY_INT64), _empty(2, dims, cnp.NPY_INT64)
+        num, accepted, out = _verify_outputs(dims)
         self.acceptance.accept_greedy(draft_tokens, target_tokens, num, accepted, out, n_threads=nt)
         return self._result(accepted, torch_out), self._result(out, torch_out)
 
