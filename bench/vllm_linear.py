@@ -8,6 +8,8 @@ alternately, round by round, at the rows a DFlash round runs (1: an autoregressi
 a verification or draft block), so a round's time can be split by shape:
 
     /work/vllm-venv/bin/python bench/vllm_linear.py --shape Qwen3-1.7B --rows 1,16 --threads 2
+
+--overhead-only prints only what one call costs beyond the kernel (a 64 x 64 weight, one bf16 row).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def print_call_overhead(plugin, g) -> None:
     us = {"cpu_linear (eager)": _median(lambda: layer.cpu_linear(x, layer.weight, None), 300) * 1e6,
           "torch.ops.dflash.linear_packed": _median(lambda: torch.ops.dflash.linear_packed(
               x, kw["packed"], 64, 64, True, None, "medium", kw["n_threads"]), 300) * 1e6,
+          "dk.linear, bf16 tensor": _median(lambda: dk.linear(x, kw["prepared"], precision="medium",
+                                                               n_threads=kw["n_threads"]), 300) * 1e6,
           "dk.linear, fp32 numpy": _median(lambda: dk.linear(xf, kw["prepared"], precision="medium"), 300) * 1e6}
     print("per call at 64 x 64, M = 1: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))
 
@@ -55,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,16", help="comma list of M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--overhead-only", action="store_true", help="print the per-call costs only, no shape table")
     args = ap.parse_args(argv)
 
     import torch
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     dense = dk.kernel_module("dense", "cython")
     print_call_overhead(plugin, g)
+    if args.overhead_only:
+        return 0
     for label, n, k in layer_shapes(args.shape):
         w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
         theirs, ours = torch.nn.Module(), torch.nn.Module()
