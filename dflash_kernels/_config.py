@@ -56,6 +56,16 @@ def tier_lines() -> list[str]:
     return lines
 
 
+def fast_path_line() -> str:
+    """Whether the public ops' compiled fast path (dflash_kernels/_fastpath.py) is there."""
+    from ._fastpath import FAST, _NoFast
+
+    if isinstance(FAST, _NoFast):
+        return "public ops' checks: Python only (no compiled fast path: no Cython build)"
+    return ("public ops' checks: compiled fast path (pyx/fastpath.pyx) for numpy arrays and CPU tensors with "
+            "backend \"auto\" on Cython; Python checks for the rest")
+
+
 def config_lines() -> list[str]:
     import numba
     import numpy
@@ -70,6 +80,7 @@ def config_lines() -> list[str]:
     lines += [
         f"cpu: {_isa.cpu_model()}; ISA flags: {isa_summary()}",
         *tier_lines(),
+        fast_path_line(),
         f"threads: default {default_threads()}, numba pool {numba.config.NUMBA_NUM_THREADS}, "
         f"torch {torch.get_num_threads()}",
         f"numpy {numpy.__version__}, numba {numba.__version__}, torch {torch.__version__}",

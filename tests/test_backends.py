@@ -43,6 +43,18 @@ def test_show_config(capsys):
     dk.show_config()
     out = capsys.readouterr().out
     assert "backend cython" in out and "ISA tier: machine" in out and "torch" in out
+    assert "public ops' checks: " in out
+
+
+def test_show_config_names_the_fast_path(capsys, monkeypatch):
+    from dflash_kernels import _fastpath
+
+    dk.show_config()
+    built = not isinstance(_fastpath.FAST, _fastpath._NoFast)
+    assert ("compiled fast path (pyx/fastpath.pyx)" in capsys.readouterr().out) == built
+    monkeypatch.setattr(_fastpath, "FAST", _fastpath._NoFast())
+    dk.show_config()
+    assert "Python only (no compiled fast path" in capsys.readouterr().out
 
 
 def test_env_backend_preference():
