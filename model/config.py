@@ -24,6 +24,8 @@ def read_json(path: Path) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, where the JSON file should be") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):

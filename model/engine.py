@@ -212,7 +212,8 @@ class Engine:
                   stop, stream, ignore_eos) -> GenerationResult:
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not np.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if not _is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
@@ -476,6 +477,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {kv_dtype!r}")
     if fuse_weights not in (True, False, "auto"):
         raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an int >= 1 (prompt rows per target forward), got {prefill_chunk!r}")
     if is_gguf(target_dir):
         ck = read_gguf(target_dir, gguf_dtype, mmap=mmap)
         tcfg = qwen3_config_from_dict(ck.config, f"{ck.path} (metadata)")
