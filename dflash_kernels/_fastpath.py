@@ -12,13 +12,14 @@ import os
 import torch
 
 from ._autotune import delegates, has_table
-from ._backends import resolve
+from ._backends import _ENV_BACKEND, resolve
 from ._env import _HAS_DATA
+from ._isa import _ENV_CAP
 from ._precision import parts as precision_parts
 from ._threads import _ENV_THREADS, max_threads
 
-# the environment variables the resolved settings depend on (dflash_kernels/_env.py: read every call)
-WATCHED = ("DFLASH_ISA", "DFLASH_BACKEND", "DFLASH_NUM_THREADS")
+# the environment settings the resolved settings depend on (dflash_kernels/_env.py: read every call)
+WATCHED = (_ENV_CAP, _ENV_BACKEND, _ENV_THREADS)
 FAMILIES = ("dense", "attention", "acceptance", "denoise", "linear_attention")
 
 
@@ -55,7 +56,7 @@ def _make():
         from ._cython.fastpath import Fast
     except ImportError:
         return _NoFast()
-    return Fast(settings, os.environ._data, [os.environ.encodekey(k) for k in WATCHED])  # type: ignore[attr-defined]
+    return Fast(settings, os.environ._data, [s._key for s in WATCHED])  # type: ignore[attr-defined]
 
 
 FAST = _make()

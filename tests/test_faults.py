@@ -18,9 +18,8 @@ import pytest
 # type name and a pattern its message must contain, or "ok" (then `assert`s in the code check the result)
 CASES = [
     # 1. crash: thread counts far above the machine
-    ("n_threads=10**6, cython", "dk.rms_norm(x, w, n_threads=10**6, backend='cython')", ("ValueError", "n_threads")),
-    ("n_threads=10**6, numba", "dk.rms_norm(x, w, n_threads=10**6, backend='numba')", ("ValueError", "n_threads")),
-    ("n_threads=10**6, torch", "dk.rms_norm(x, w, n_threads=10**6, backend='torch')", ("ValueError", "n_threads")),
+    *[(f"n_threads=10**6, {b}", f"dk.rms_norm(x, w, n_threads=10**6, backend='{b}')", ("ValueError", "n_threads"))
+      for b in ("cython", "numba", "torch")],
     ("denoise_block n_threads=10**6", "dk.denoise_block(x, big, n_threads=10**6)", ("ValueError", "n_threads")),
     ("load n_threads=10**6", "load_default('stdlib', n_threads=10**6)", ("ValueError", "n_threads")),
     ("DFLASH_NUM_THREADS=1000000", "os.environ['DFLASH_NUM_THREADS'] = '1000000'\n"
