@@ -22,6 +22,12 @@ cdef extern from "dk_attention.h":
                     float* kt, Py_ssize_t ldt) noexcept nogil
     void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                       float* dst, Py_ssize_t ldd) noexcept nogil
+    # decode steps: K and V rows read in place
+    int DIRECT_D "DK_DIRECT_D"
+    void dk_qk_direct(int rb, int bf16, const float* q, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t D, const void* k,
+                      Py_ssize_t n, float* s, Py_ssize_t lds) noexcept nogil
+    void dk_pv_direct(int rb, int bf16, const float* p, Py_ssize_t ldp, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t n,
+                      const void* v, Py_ssize_t D, float* acc, Py_ssize_t lda) noexcept nogil
     # "medium" (see dk_attention.h): bf16 operands; ATT_DOT: vdpbf16ps kernels on pair words
     int ATT_DOT "DK_ATT_DOT"
     void dk_att_round_run(float* x, Py_ssize_t n) noexcept nogil
@@ -71,6 +77,7 @@ cdef struct Problem:
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
     int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
     int amx            # ... on AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks
+    int direct         # few rows per item (decode), exact operands: K and V read in place, no tiles
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -111,6 +118,38 @@ cdef void _prefetch_keys(const Problem* P, Py_ssize_t g, Py_ssize_t j_begin, Py_
         nbytes = P.D * (2 if (P.bf1 if j < P.T1 else P.bf2) else 4)
         dk_prefetch(_row_ptr(P, 0, g, j, &bf), nbytes)
         dk_prefetch(_row_ptr(P, 1, g, j, &bf), nbytes)
+
+
+cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn,
+                       const float* qp, float* sc, float* m, float* l, float* acc) noexcept nogil:
+    """The decode path (P.direct) over keys j0..j0+kn-1 for every kv head at once: one key's rows of
+    all heads are contiguous, so K and V are read in place in address order. S on K rows, the masked
+    online softmax per row, acc += P V; rows >= R (padding) see no key. sc is (H_kv, rows, KT)."""
+    cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn), H = P.H_kv, Rp = P.rows, r, g, t, c_lo, c_hi
+    cdef int bf
+    cdef const char* rows
+    if n1 > 0:
+        rows = _row_ptr(P, 0, 0, j0, &bf)
+        dk_qk_direct(P.rb, bf, qp, Rp, H, P.D, rows, n1, sc, KT)
+    if kn > n1:
+        rows = _row_ptr(P, 0, 0, j0 + n1, &bf)
+        dk_qk_direct(P.rb, bf, qp, Rp, H, P.D, rows, kn - n1, sc + n1, KT)
+    for g in range(H):
+        for r in range(Rp):
+            if r < R:
+                t = t0 + r // P.group
+                c_lo = max(_lo(P, t) - j0, 0)
+                c_hi = min(_hi(P, t) - j0, kn - 1)
+            else:
+                c_lo, c_hi = 1, 0
+            _softmax_update(sc + (g * Rp + r) * KT, m + g * Rp + r, l + g * Rp + r, acc + (g * Rp + r) * P.Dp,
+                            P.Dp, c_lo, c_hi)
+    if n1 > 0:
+        rows = _row_ptr(P, 1, 0, j0, &bf)
+        dk_pv_direct(P.rb, bf, sc, KT, Rp, H, n1, rows, P.D, acc, P.Dp)
+    if kn > n1:
+        rows = _row_ptr(P, 1, 0, j0 + n1, &bf)
+        dk_pv_direct(P.rb, bf, sc + n1, KT, Rp, H, kn - n1, rows, P.D, acc, P.Dp)
 
 
 cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, float* kt,
@@ -234,7 +273,7 @@ cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
     """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
     m, l, acc of all heads."""
     cdef Py_ssize_t Rp = P.rows, H = P.H_kv
-    return H * Rp * P.D + P.D * KT + KT * P.Dp + Rp * KT + H * (2 * Rp + Rp * P.Dp)
+    return H * Rp * P.D + P.D * KT + KT * P.Dp + (H if P.direct else 1) * Rp * KT + H * (2 * Rp + Rp * P.Dp)
 
 
 cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
@@ -257,7 +296,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef const uint32_t* q2 = <uint32_t*>buf  # P.dot: (H_kv, Rp, D / 2) the same as pair words
     cdef float* kt = qp + H * Rp * D     # (D, KT)
     cdef float* vt = kt + D * KT         # (KT, Dp)
-    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities
+    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct
     cdef float* m                        # (H_kv, Rp) running max
     cdef float* l                        # (H_kv, Rp) running sum
     cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
@@ -266,7 +305,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef float* lg
     cdef float* ag
     if split == 1:                       # this thread's m, l, acc
-        m = sc + Rp * KT
+        m = sc + (H if P.direct else 1) * Rp * KT
         l = m + H * Rp
         acc = l + H * Rp
     else:                                # the item's slots in the partials
@@ -296,6 +335,9 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     for tile in range(s * n_tiles // split, (s + 1) * n_tiles // split):
         j0 = lo_min + tile * KT
         kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
+        if P.direct:
+            _direct_tile(P, t0, R, j0, kn, qp, sc, m, l, acc)
+            continue
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
             _load_tile(P, g, j0, kn, kt, vt)
@@ -419,6 +461,10 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
     if P.amx:
         P.rb = 16  # one tile of rows
+    # the decode path: its kernels take 2 or 4 rows and D in whole groups of vectors (dk_attention.h)
+    P.direct = not P.medium and P.rows <= RB_SMALL and D % DIRECT_D == 0
+    if P.direct:
+        P.rb = 2 if P.rows <= 2 else RB_SMALL
     P.rows = (P.rows + P.rb - 1) // P.rb * P.rb
     P.split = 1
     if P.n_qb < SPLIT_ITEMS:

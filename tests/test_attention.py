@@ -100,6 +100,19 @@ def test_long_context_key_splits(kernel_backend, t_q):
     _check_injected(iargs, kernel_backend, TOLERANCE_LONG, window=1000)
 
 
+@given(t_q=st.sampled_from([1, 2]), t_ctx=st.integers(0, 300), group=st.integers(1, 4),
+       d=st.sampled_from([64, 128, 80]), dtype=DTYPES, ctx_dtype=DTYPES, window=WINDOWS,
+       seed=st.integers(0, 2**32 - 1))
+def test_decode_steps_match_reference(kernel_backend, t_q, t_ctx, group, d, dtype, ctx_dtype, window, seed):
+    """A decode step's few query rows per kv head (at most 4 here) at every tier: with D = 64 or 128
+    the Cython kernels read K and V in place (no tiles; dk_qk_direct), including tiles that straddle
+    the context and the block in mixed dtypes; D = 80 takes the tiled path."""
+    args = _injected_inputs(seed, t_q, t_ctx, 3, group, d, dtype, ctx_dtype=ctx_dtype)
+    _check_injected(args, kernel_backend, TOLERANCE["bfloat16"], window=window)
+    cached = _cached_inputs(seed, t_q, t_ctx + t_q, 3, group, d, dtype)
+    _check_cached(cached, kernel_backend, TOLERANCE["bfloat16"], window=window)
+
+
 @pytest.mark.parametrize("t_q,t_kv", [(1, 2000), (16, 2000), (200, 200)])
 def test_independent_of_n_threads(kernel_backend, t_q, t_kv):
     args = _cached_inputs(4, t_q, t_kv, 4, 4, 64, "float32")
