@@ -328,7 +328,8 @@ def _rewinder(cache, base: int):
 
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
-            rollback=(15, 6), precision=None, kv_dtype="float32", draft_vocab_size=None) -> dict:
+            rollback=(15, 6), precision=None, draft_precision="auto", kv_dtype="float32",
+            draft_vocab_size=None) -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
     after a k-draft verification (the Gated DeltaNet state restore), None to skip. kv_dtype: the
     target's KV cache storage ("float32" or "bfloat16"). draft_vocab_size: None, the drafter's
@@ -338,7 +339,7 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
     eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
-               kv_dtype=kv_dtype, fuse_weights=True, draft_vocab=draft_vocab_size is None)
+               draft_precision=draft_precision, kv_dtype=kv_dtype, fuse_weights=True, draft_vocab=draft_vocab_size is None)
     tgt, dr = eng.target, eng.drafter
     if draft_vocab_size:
         dr.set_draft_vocab(np.arange(draft_vocab_size, dtype=np.int64), tgt.lm_head_table)
@@ -357,6 +358,7 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         tgt.greedy(h)
 
     res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {},
+           "draft_precision": dr.ops.precision,
            "draft_vocab": None if dr.draft_ids is None else len(dr.draft_ids)}
     # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
     h1, _ = tgt.forward([anchor], cache, taps=False)
@@ -418,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="write the pair to DIR/target and DIR/drafter and keep it "
                                                   "(reused when DIR already holds one)")
     ap.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
+    ap.add_argument("--draft-precision", default="auto", choices=("auto", "target", "highest", "high", "medium"),
+                    help="the drafter's (model.load's draft_precision; target: the same as --precision)")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"), help="target KV cache")
     ap.add_argument("--isa", default=None, help="cap the ISA tier (as DFLASH_ISA)")
     ap.add_argument("--target", help="time this checkpoint (directory or GGUF) instead of a random --shape pair")
@@ -470,7 +474,8 @@ def main(argv=None) -> int:
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
             written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
-                      precision=args.precision, kv_dtype=args.kv_dtype, draft_vocab_size=args.draft_vocab_size)
+                      precision=args.precision, kv_dtype=args.kv_dtype, draft_vocab_size=args.draft_vocab_size,
+                      draft_precision=None if args.draft_precision == "target" else args.draft_precision)
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision, kv_dtype=args.kv_dtype)
@@ -495,7 +500,8 @@ def main(argv=None) -> int:
         res["tau_measured"] = {int(k): v for k, v in taus.items()}
         res["projected_measured"] = projected(res, res["tau_measured"])
     vocab = "" if res["draft_vocab"] is None else f", drafting vocabulary {res['draft_vocab']} tokens"
-    print(f"tier {res['tier']}, precision {res['precision']}, KV cache {res['kv_dtype']}{vocab}")
+    print(f"tier {res['tier']}, precision {res['precision']} (drafter {res['draft_precision']}), "
+          f"KV cache {res['kv_dtype']}{vocab}")
     if "timed_layers" in res:
         print(f"timed {res['timed_layers']} of {s.layers} target layers at full width (with the full LM head "
               f"and drafter) and scaled the layers' time to {s.layers} layers")

@@ -28,7 +28,7 @@ from ._autotune import tune_linear
 from ._backends import available_backends, kernel_module
 from ._config import show_config
 from ._isa import active_tier, set_isa
-from ._precision import get_matmul_precision, set_matmul_precision
+from ._precision import bf16_dot_pays, get_matmul_precision, set_matmul_precision
 from ._tensors import bf16_to_f32, f32_to_bf16
 from .acceptance import accept_greedy, filtered_probs, rejection_sample
 from .attention import cached_attention, injected_kv_attention
@@ -59,6 +59,7 @@ __all__ = [
     "filtered_probs",
     "active_tier",
     "get_matmul_precision",
+    "bf16_dot_pays",
     "kernel_module",
     "set_isa",
     "set_matmul_precision",

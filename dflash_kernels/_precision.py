@@ -92,3 +92,30 @@ def get_matmul_precision() -> str:
     True
     """
     return _default
+
+
+def bf16_dot_pays() -> bool:
+    """Whether "medium" runs on a bf16 dot-product instruction at the tier that runs now.
+
+    That is AMX tiles, or vdpbf16ps where it measures ahead of FMA (Zen 4, not Sapphire Rapids). Only
+    then is "medium" faster than "highest"; elsewhere it rounds the operands for the FMA kernels and
+    costs a little more. ``model.load(draft_precision="auto")`` drafts at "medium" when this is True.
+
+    Returns
+    -------
+    bool
+        True on AMX, or on AVX512-BF16 where vdpbf16ps outruns FMA (measured once per process);
+        False on the FMA-only tiers and without the Cython kernels.
+
+    Examples
+    --------
+    >>> dk.bf16_dot_pays() in (True, False)
+    True
+    """
+    from ._backends import resolve
+
+    try:
+        _, dense = resolve("cython", "dense")
+    except RuntimeError:  # no Cython build: the Numba and torch paths have no such rule
+        return False
+    return bool(dense.amx_available() or (dense.bf16dot_available() and dense.bf16dot_pays()))

@@ -11,6 +11,7 @@ compiled decoder layers.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -70,6 +71,7 @@ class BoundOps:
         self.linear_shapes: set[tuple[int, int]] = set()  # (N, K) of every matmul run: tune_linear's input
         self._n = self.kw["n_threads"]
         self.governor = ContentionGovernor(self._n) if n_threads is None else None
+        self._family = [self]  # these ops and their with_precision twins: one thread count
         # LM-head blocks (verification, drafts): linear + argmax beats denoise_block's vocab-chunked
         # tiles on every tier where Cython runs (bench/bench_denoise.py), and the (rows, V) float32
         # logits are small
@@ -78,13 +80,25 @@ class BoundOps:
         # DFLASH_FUSED_LAYERS=0 composes the single ops instead (the same bits, slower)
         self.fused_layers = self._linear_packed is not None and os.environ.get("DFLASH_FUSED_LAYERS", "1") != "0"
 
+    def with_precision(self, precision: str | None) -> BoundOps:
+        """These ops at another matmul precision, sharing everything else: the backend, the thread
+        count and what ``adapt_threads`` decides (on either). For a drafter at "medium" beside a
+        target at "highest": drafts only propose tokens, so their precision never changes the output."""
+        twin = copy.copy(self)
+        twin.precision = check_precision(precision)
+        twin._parts = precision_parts(twin.precision)
+        self._family.append(twin)  # the same list in every member (copy.copy shares it)
+        return twin
+
     def adapt_threads(self) -> int:
         """With default threads, the count for the next kernels: fewer while other processes take the
         cores (the governor tries more again after a while). Returns the count."""
         if self.governor is not None:
             n = self.governor.update()
             if n != self._n:
-                self._n = self.kw["n_threads"] = n
+                self.kw["n_threads"] = n  # one dict for the whole family (copy.copy shares it)
+                for member in self._family:
+                    member._n = n
         return self._n
 
     def prepare(self, w):

@@ -37,6 +37,11 @@ class Ops(dk.BoundOps):
         super().__init__(n_threads, backend, precision)
         self.kernel_s = 0.0
 
+    def with_precision(self, precision: str | None) -> Ops:
+        twin = super().with_precision(precision)
+        twin.kernel_s = 0.0  # each counts its own calls (Engine.kernel_seconds adds them up)
+        return twin
+
     def prepare(self, w):
         out = super().prepare(w)
         if out is not w:

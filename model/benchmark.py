@@ -66,7 +66,7 @@ def run_environment(eng) -> dict:
 
     ops = eng.ops
     return {"threads": ops.kw["n_threads"], "backend": ops.kw["backend"], "precision": ops.precision,
-            "kv_dtype": getattr(eng, "kv_dtype", "float32"),
+            "draft_precision": _draft_precision(eng), "kv_dtype": getattr(eng, "kv_dtype", "float32"),
             "machine": {**runtime.machine(), "tier": ops.tier},
             "versions": {"dflash_kernels": dk.__version__, "numpy": np.__version__, "numba": numba.__version__,
                          "torch": torch.__version__}}
@@ -194,7 +194,13 @@ def _tune_key(eng) -> str:
     tier = ops.tier or ops.kw["backend"]  # numba / torch have no Cython tier
     threads = ops.governor.n_max if ops.governor is not None else ops.kw["n_threads"]
     return (f"{getattr(eng, 'target_dir', '?')}|{getattr(eng, 'drafter_dir', '?')}|threads={threads}"
-            f"|tier={tier}|precision={ops.precision}|kv={getattr(eng, 'kv_dtype', 'float32')}")
+            f"|tier={tier}|precision={ops.precision}|draft={_draft_precision(eng)}"
+            f"|kv={getattr(eng, 'kv_dtype', 'float32')}")
+
+
+def _draft_precision(eng) -> str | None:
+    drafter = getattr(eng, "drafter", None)
+    return None if drafter is None else drafter.ops.precision
 
 
 def tuned_num_speculative_tokens(eng) -> int | None:

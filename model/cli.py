@@ -21,6 +21,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="highest", choices=("highest", "high", "medium"),
                    help="matmul precision: exact fp32 activations, two bf16 parts, or one bf16 part as "
                         "torch/vLLM bf16 (default: highest)")
+    p.add_argument("--draft-precision", default="auto", choices=("auto", "target", "highest", "high", "medium"),
+                   help="the drafter's matmul precision; drafts are verified, so it never changes the output. "
+                        "auto: medium where a bf16 dot product runs it (AMX, vdpbf16ps on Zen 4), else the "
+                        "target's; target: the same as --precision (default: auto)")
     p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target KV cache storage: bfloat16 halves its bytes, and at --precision medium "
                         "attention reads it without conversion (default: float32)")
@@ -56,8 +60,9 @@ def _load(args):
         import dflash_kernels as dk
 
         dk.set_isa(args.isa)
+    draft_precision = None if args.draft_precision == "target" else args.draft_precision
     return load(target, drafter, n_threads=args.threads, backend=args.backend, precision=args.precision,
-                kv_dtype=args.kv_dtype)
+                draft_precision=draft_precision, kv_dtype=args.kv_dtype)
 
 
 def cmd_generate(args) -> int:

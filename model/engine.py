@@ -20,7 +20,9 @@ from time import perf_counter
 
 import numpy as np
 
+import dflash_kernels as dk
 from dflash_kernels.acceptance import MIN_TEMPERATURE
+from dflash_kernels.runtime import PRECISIONS
 
 from ._ops import Ops
 from .adaptive import AutoK, RoundCost
@@ -127,11 +129,19 @@ class Engine:
         drafter = None
         if self.drafter is not None:
             drafter = copy.copy(self.drafter)
-            drafter.ops = ops
+            drafter.ops = ops if self.drafter.ops is self.ops else ops.with_precision(self.drafter.ops.precision)
         twin = Engine(target, drafter, self.tokenizer, self.stop_ids, ops=ops, max_len=self.max_len,
                       kv_dtype=self.kv_dtype)
         twin.target_dir, twin.drafter_dir, twin.chat_template = self.target_dir, self.drafter_dir, self.chat_template
         return twin
+
+    def kernel_seconds(self) -> float:
+        """Wall time inside kernel calls so far, the target's and the drafter's (own ops at another
+        precision, load's draft_precision)."""
+        s = self.ops.kernel_s
+        if self.drafter is not None and self.drafter.ops is not self.ops:
+            s += self.drafter.ops.kernel_s
+        return s
 
     def aggregate_metrics(self) -> Metrics:
         return aggregate(self.history)
@@ -375,7 +385,7 @@ class _Run:
         done = self._commit([self._choose(hidden)])
         callback0 = self.callback_s  # the user's stream callback is not our time
         m.prefill_s = perf_counter() - t_start - callback0
-        kernel0 = ops.kernel_s
+        kernel0 = self.eng.kernel_seconds()
         anchor = self.out[-1]
         while not done:
             ops.adapt_threads()  # default threads: fewer while other processes take the cores
@@ -441,7 +451,7 @@ class _Run:
             m.accept_s += t3 - t2
         if self.finish is None:
             self.finish = "length"
-        m.kernel_s = ops.kernel_s - kernel0
+        m.kernel_s = self.eng.kernel_seconds() - kernel0
         m.accept_s -= self.callback_s - callback0
         m.generated_tokens = len(self.out)
         m.total_s = perf_counter() - t_start - self.callback_s
@@ -449,8 +459,9 @@ class _Run:
 
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
-         fuse_weights="auto", precision: str | None = None, gguf_dtype: str = "bfloat16", mmap: bool = True,
-         check_weights: bool = False, draft_vocab: bool = True) -> Engine:
+         fuse_weights="auto", precision: str | None = None, draft_precision: str | None = "auto",
+         gguf_dtype: str = "bfloat16", mmap: bool = True, check_weights: bool = False,
+         draft_vocab: bool = True) -> Engine:
     """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
     target_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), or a
@@ -461,8 +472,12 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     [Wq; Wk; Wv] and [Wgate; Wup] into one in-RAM bf16 copy (fewer kernel calls), False keeps every
     weight memory-mapped, "auto" fuses checkpoints smaller than a quarter of physical RAM.
     precision: matmul precision of every linear layer and LM-head pass, "highest" (default), "high"
-    or "medium" (dflash_kernels.set_matmul_precision). Target steps, verification rows and drafts
-    all use it, so greedy DFlash output stays identical to greedy autoregressive output under each.
+    or "medium" (dflash_kernels.set_matmul_precision). Target steps and verification rows both use
+    it, so greedy DFlash output stays identical to greedy autoregressive output under each.
+    draft_precision: the drafter's matmul precision. Drafts only propose tokens that the target
+    verifies, so it changes speed and acceptance, never the output. "auto" (default): "medium" where
+    a bf16 dot product runs it (dflash_kernels.bf16_dot_pays(): AMX, or vdpbf16ps on Zen 4), else
+    the target's; None: the target's; or one of the three names.
     gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
     "float32" (exact; parity with a float32 reference).
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
@@ -501,6 +516,14 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         dcfg = load_dflash_config(drafter_dir, num_target_layers=tcfg.num_hidden_layers)
         _check_pair(tcfg, dcfg, drafter_dir)
     ops = Ops(n_threads=n_threads, backend=backend, precision=precision)
+    if draft_precision == "auto":
+        draft_precision = "medium" if dk.bf16_dot_pays() else ops.precision
+    if draft_precision is None:
+        draft_precision = ops.precision
+    if not isinstance(draft_precision, str) or draft_precision not in PRECISIONS:
+        raise ValueError(f"draft_precision must be 'auto', None or one of {', '.join(PRECISIONS)}, "
+                         f"got {draft_precision!r}")
+    draft_ops = ops if draft_precision == ops.precision else ops.with_precision(draft_precision)
     if tensors is None:
         tensors, origin = read_checkpoint(target_dir, mmap)
         has_tok = (target_dir / "tokenizer.json").exists()
@@ -522,7 +545,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         dtensors, dorigin = read_checkpoint(drafter_dir, mmap)
         if check_weights:
             check_finite(dtensors, dorigin)
-        drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=ops,
+        drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=draft_ops,
                                 target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
         vocab_file = drafter_dir / draft_vocab_file
         if draft_vocab and vocab_file.is_file():

@@ -120,4 +120,24 @@ def test_examples_run():
 def test_every_kernel_method_is_listed_in_ops():
     """BoundOps.OPS is what callers wrap to time kernels (the model layer's Ops): a new method must join it."""
     methods = {n for n, v in vars(dk.BoundOps).items() if callable(v) and not n.startswith("_")}
-    assert methods - {"prepare", "adapt_threads"} == set(dk.BoundOps.OPS)
+    assert methods - {"prepare", "adapt_threads", "with_precision"} == set(dk.BoundOps.OPS)
+
+
+class _Busy:
+    """A contention governor that always answers one thread."""
+
+    def update(self):
+        return 1
+
+
+def test_with_precision_shares_everything_but_the_precision():
+    ops = dk.BoundOps(n_threads=2, precision="highest")
+    ops.governor = _Busy()  # as default threads have, answering 1
+    twin = ops.with_precision("medium")
+    x, w = _f32(_rng(4), 3, 64), _f32(_rng(5), 8, 64)
+    _same(twin.linear(x, w), dk.linear(x, w, precision="medium", n_threads=2))
+    _same(ops.linear(x, w), dk.linear(x, w, precision="highest", n_threads=2))
+    assert twin.adapt_threads() == 1
+    assert ops.kw["n_threads"] == 1 and ops._n == 1  # what either decides holds for both
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ops.with_precision("fp8")

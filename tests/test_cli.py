@@ -126,9 +126,9 @@ def _fake_tune(monkeypatch, tps):
 
     monkeypatch.setattr(benchmark, "_run", fake_run)
     monkeypatch.setattr(benchmark, "aggregate", fake_aggregate)
-    eng = SimpleNamespace(drafter=object(), default_num_speculative_tokens=15, generate=lambda *a, **k: None,
-                          ops=SimpleNamespace(tier=None, governor=None, kw={"n_threads": 2, "backend": "torch"},
-                                              precision="highest"))
+    ops = SimpleNamespace(tier=None, governor=None, kw={"n_threads": 2, "backend": "torch"}, precision="highest")
+    eng = SimpleNamespace(drafter=SimpleNamespace(ops=ops), default_num_speculative_tokens=15,
+                          generate=lambda *a, **k: None, ops=ops)
     return benchmark, eng
 
 

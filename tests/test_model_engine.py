@@ -393,6 +393,62 @@ def test_greedy_lossless_every_tier_and_precision(hot, tier, precision, kv_dtype
 def test_load_bad_precision(hot):
     with pytest.raises(ValueError, match="precision must be one of highest, high, medium"):
         dm.load(hot.target_dir, hot.drafter_dir, precision="fp8")
+    with pytest.raises(ValueError, match="draft_precision must be 'auto', None or one of highest, high, medium"):
+        dm.load(hot.target_dir, hot.drafter_dir, draft_precision="fp8")
+
+
+@pytest.mark.parametrize("tier", [None, *MACHINE_TIERS])
+@pytest.mark.parametrize("precision,draft_precision", [("highest", "medium"), ("medium", "highest"),
+                                                       ("high", "medium")])
+def test_greedy_lossless_with_the_drafter_at_another_precision(hot, tier, precision, draft_precision):
+    """The drafter's own precision changes what it proposes, never the output: DFlash greedy ==
+    AR greedy, and the target's steps and verification rows keep the target's precision."""
+    if tier is not None:
+        dk.set_isa(tier)
+    try:
+        eng = dm.load(hot.target_dir, hot.drafter_dir, max_len=128, n_threads=1, precision=precision,
+                      draft_precision=draft_precision)
+        assert (eng.ops.precision, eng.drafter.ops.precision) == (precision, draft_precision)
+        assert eng.target.ops is eng.ops
+        accepted = 0
+        for p in prompts(4, seed=2):
+            ref = eng.generate(p, 16, num_speculative_tokens=0, ignore_eos=True).token_ids
+            res = eng.generate(p, 16, num_speculative_tokens=15, ignore_eos=True)
+            assert res.token_ids == ref, f"tier {tier} {precision}/{draft_precision} prompt {p}"
+            accepted += sum(res.metrics.accepted)
+        assert accepted > 0
+    finally:
+        dk.set_isa(None)
+
+
+@pytest.mark.parametrize("tier", [None, *MACHINE_TIERS])
+def test_draft_precision_auto_is_medium_only_where_a_bf16_dot_product_runs_it(hot, tier):
+    if tier is not None:
+        dk.set_isa(tier)
+    try:
+        if tier in ("avx2", "avx512"):  # no bf16 dot product at these tiers
+            assert not dk.bf16_dot_pays()
+        auto = dm.load(hot.target_dir, hot.drafter_dir, max_len=64, n_threads=1)
+        assert auto.drafter.ops.precision == ("medium" if dk.bf16_dot_pays() else "highest")
+        assert (auto.drafter.ops is auto.ops) == (not dk.bf16_dot_pays())  # one Ops when they agree
+        same = dm.load(hot.target_dir, hot.drafter_dir, max_len=64, n_threads=1, draft_precision=None)
+        assert same.drafter.ops is same.ops
+    finally:
+        dk.set_isa(None)
+
+
+def test_drafter_ops_of_their_own_are_timed_and_cloned(hot):
+    eng = dm.load(hot.target_dir, hot.drafter_dir, max_len=128, n_threads=1, draft_precision="medium")
+    before = eng.drafter.ops.kernel_s
+    res = eng.generate(prompts(1, seed=3)[0], 16, num_speculative_tokens=15, ignore_eos=True)
+    drafted = eng.drafter.ops.kernel_s - before
+    assert drafted > 0  # the drafts ran on the drafter's own ops ...
+    assert res.metrics.kernel_s >= drafted  # ... and count in the round's kernel time
+    twin = eng.clone()
+    assert (twin.ops.precision, twin.drafter.ops.precision) == ("highest", "medium")
+    assert twin.drafter.ops is not eng.drafter.ops and twin.target.ops is twin.ops
+    assert twin.generate([5, 6], 8, num_speculative_tokens=4, ignore_eos=True).token_ids == \
+        eng.generate([5, 6], 8, num_speculative_tokens=0, ignore_eos=True).token_ids
 
 
 def test_generate_refuses_reentrant_and_concurrent_use(plain):
