@@ -73,6 +73,18 @@ def test_bench_writes_json_markdown_and_plots(pair, tmp_path, capsys):
     assert report["machine"]["cpu"] and report["versions"]["torch"]
 
 
+def test_bench_at_a_sampling_temperature_only_writes_its_plots(pair, tmp_path, capsys):
+    """Without T = 0 among the temperatures there is no greedy autoregressive row for the (greedy)
+    k sweep's plot to draw against: the plot goes without it (it raised StopIteration)."""
+    target, drafter = pair
+    rc = main(["bench", "--target", str(target), "--drafter", str(drafter), "--n-prompts", "2",
+               "--max-new-tokens", "8", "--temperatures", "0.7", "--seed", "0", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert {(r["mode"], r["temperature"]) for r in report["rows"]} == {("autoregressive", 0.7), ("dflash", 0.7)}
+    assert (tmp_path / "out" / "per_position_acceptance.png").stat().st_size > 1000
+
+
 def test_generate_and_bench_take_k_auto(pair, tmp_path, capsys):
     target, drafter = pair
     rc = main(["generate", "hello world", "--target", str(target), "--drafter", str(drafter),
