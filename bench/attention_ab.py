@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     import dflash_kernels as dk
     from dflash_kernels import f32_to_bf16
 
+    # the other build asks its tier's dense module whether vdpbf16ps and AMX pay ("medium"): give it
+    # this checkout's, so that both builds take the same path decision
+    sys.modules["other_build.dense"] = dk.kernel_module("dense", "cython")
     this, other = dk.kernel_module("attention", "cython"), load_other(args.other, "attention")
     tier = this.__name__.split(".")[-2]  # dflash_kernels._cython.<tier>.attention
     if Path(args.other).parent.name != tier:

@@ -24,9 +24,12 @@ cdef extern from "dk_attention.h":
                       float* dst, Py_ssize_t ldd) noexcept nogil
     # decode steps: K and V rows read in place
     int DIRECT_D "DK_DIRECT_D"
-    void dk_qk_direct(int rb, int bf16, const float* q, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t D, const void* k,
+    int LD_F32 "DK_LD_F32"                  # how dk_qk_direct / dk_pv_direct read a source's rows
+    int LD_BF16 "DK_LD_BF16"
+    int LD_F32_ROUNDED "DK_LD_F32_ROUNDED"  # ... float32 rounded to bf16 ("medium")
+    void dk_qk_direct(int rb, int ld, const float* q, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t D, const void* k,
                       Py_ssize_t n, float* s, Py_ssize_t lds) noexcept nogil
-    void dk_pv_direct(int rb, int bf16, const float* p, Py_ssize_t ldp, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t n,
+    void dk_pv_direct(int rb, int ld, const float* p, Py_ssize_t ldp, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t n,
                       const void* v, Py_ssize_t D, float* acc, Py_ssize_t lda) noexcept nogil
     # "medium" (see dk_attention.h): bf16 operands; ATT_DOT: vdpbf16ps kernels on pair words
     int ATT_DOT "DK_ATT_DOT"
@@ -77,7 +80,7 @@ cdef struct Problem:
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
     int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
     int amx            # ... on AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks
-    int direct         # few rows per item (decode), exact operands: K and V read in place, no tiles
+    int direct         # few rows per item (decode): K and V read in place, no tiles (FMA, at any precision)
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -124,16 +127,18 @@ cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t
                        const float* qp, float* sc, float* m, float* l, float* acc) noexcept nogil:
     """The decode path (P.direct) over keys j0..j0+kn-1 for every kv head at once: one key's rows of
     all heads are contiguous, so K and V are read in place in address order. S on K rows, the masked
-    online softmax per row, acc += P V; rows >= R (padding) see no key. sc is (H_kv, rows, KT)."""
+    online softmax per row, acc += P V; rows >= R (padding) see no key. sc is (H_kv, rows, KT). At
+    "medium", K, V (a float32 source's, as they are read) and P are rounded to bf16; the queries were
+    rounded when packed."""
     cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn), H = P.H_kv, Rp = P.rows, r, g, t, c_lo, c_hi
     cdef int bf
     cdef const char* rows
     if n1 > 0:
         rows = _row_ptr(P, 0, 0, j0, &bf)
-        dk_qk_direct(P.rb, bf, qp, Rp, H, P.D, rows, n1, sc, KT)
+        dk_qk_direct(P.rb, _ld(P, bf), qp, Rp, H, P.D, rows, n1, sc, KT)
     if kn > n1:
         rows = _row_ptr(P, 0, 0, j0 + n1, &bf)
-        dk_qk_direct(P.rb, bf, qp, Rp, H, P.D, rows, kn - n1, sc + n1, KT)
+        dk_qk_direct(P.rb, _ld(P, bf), qp, Rp, H, P.D, rows, kn - n1, sc + n1, KT)
     for g in range(H):
         for r in range(Rp):
             if r < R:
@@ -144,12 +149,21 @@ cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t
                 c_lo, c_hi = 1, 0
             _softmax_update(sc + (g * Rp + r) * KT, m + g * Rp + r, l + g * Rp + r, acc + (g * Rp + r) * P.Dp,
                             P.Dp, c_lo, c_hi)
+            if P.medium:  # P rounded (l kept the unrounded sum, as on the tiles)
+                dk_att_round_run(sc + (g * Rp + r) * KT, KT)
     if n1 > 0:
         rows = _row_ptr(P, 1, 0, j0, &bf)
-        dk_pv_direct(P.rb, bf, sc, KT, Rp, H, n1, rows, P.D, acc, P.Dp)
+        dk_pv_direct(P.rb, _ld(P, bf), sc, KT, Rp, H, n1, rows, P.D, acc, P.Dp)
     if kn > n1:
         rows = _row_ptr(P, 1, 0, j0 + n1, &bf)
-        dk_pv_direct(P.rb, bf, sc + n1, KT, Rp, H, kn - n1, rows, P.D, acc, P.Dp)
+        dk_pv_direct(P.rb, _ld(P, bf), sc + n1, KT, Rp, H, kn - n1, rows, P.D, acc, P.Dp)
+
+
+cdef inline int _ld(const Problem* P, int bf16) noexcept nogil:
+    """How the direct kernels read the rows of a source stored as bf16 (bf16 = 1) or float32."""
+    if bf16:
+        return LD_BF16
+    return LD_F32_ROUNDED if P.medium else LD_F32
 
 
 cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, float* kt,
@@ -453,16 +467,17 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.causal = causal
     P.scale = scale
     P.medium = parts == 1  # "high" (2 parts) computes as "highest": exact operands
-    P.amx = P.medium and ATT_AMX and amx and D % 32 == 0
-    P.dot = P.amx or (P.medium and ATT_DOT and bf16dot and D % 2 == 0)
     P.qb_t = max(1, QROWS // P.group)
     P.n_qb = (T_q + P.qb_t - 1) // P.qb_t
     P.rows = min(P.qb_t, T_q) * P.group
+    # the decode path: its kernels take 2 or 4 rows and D in whole groups of vectors (dk_attention.h);
+    # at "medium" they run FMA on the rounded operands, as the FMA tiers' tiles do
+    P.direct = P.rows <= RB_SMALL and D % DIRECT_D == 0
+    P.amx = P.medium and ATT_AMX and amx and D % 32 == 0 and not P.direct
+    P.dot = (P.amx or (P.medium and ATT_DOT and bf16dot and D % 2 == 0)) and not P.direct
     P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
     if P.amx:
         P.rb = 16  # one tile of rows
-    # the decode path: its kernels take 2 or 4 rows and D in whole groups of vectors (dk_attention.h)
-    P.direct = not P.medium and P.rows <= RB_SMALL and D % DIRECT_D == 0
     if P.direct:
         P.rb = 2 if P.rows <= 2 else RB_SMALL
     P.rows = (P.rows + P.rb - 1) // P.rb * P.rb

@@ -128,9 +128,25 @@ static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
 #endif
 #define DK_DIRECT_D (DK_PVN * DK_W)  /* the direct path needs D a multiple of this (and so of 2 DK_W) */
 
-/* DK_W elements of a row from element i: float32, or bf16 bits upcast exactly (<< 16) */
-DK_AI dk_af dk_ldw(const void* base, const int bf16, Py_ssize_t i) {
-    if (!bf16) return DK_LD((const float*)base + i);
+/* x rounded to bf16 (nearest even; a NaN stays a quiet NaN), as dk_att_round_run does in place */
+typedef uint32_t dk_au __attribute__((vector_size(DK_W * 4), aligned(4)));
+DK_AI dk_af dk_att_round_vec(dk_af x) {
+    dk_au u = (dk_au)x;
+    dk_au r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    dk_au nan = (dk_au)((u & 0x7FFFFFFFu) > 0x7F800000u);
+    return (dk_af)((nan & (u | 0x400000u)) | (~nan & r));
+}
+
+/* How the direct kernels read a K or V row: float32 as it is, bf16 bits (upcast exactly, << 16), or
+   float32 rounded to bf16 ("medium" over a float32 cache) */
+#define DK_LD_F32 0
+#define DK_LD_BF16 1
+#define DK_LD_F32_ROUNDED 2
+
+/* DK_W elements of a row from element i, read as `ld` says */
+DK_AI dk_af dk_ldw(const void* base, const int ld, Py_ssize_t i) {
+    if (ld == DK_LD_F32) return DK_LD((const float*)base + i);
+    if (ld == DK_LD_F32_ROUNDED) return dk_att_round_vec(DK_LD((const float*)base + i));
 #if defined(__AVX512F__)
     __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
     return (dk_af)_mm512_slli_epi32(h, 16);
@@ -151,12 +167,12 @@ DK_AI float dk_att_hsum(dk_af x) {
 
 /* s[i] = q[i, 0:D] . k[0:D], i < rb; two accumulators per row halve the FMA chain. D a multiple
    of 2 DK_W. */
-DK_AI void dk_qk_direct_rows(const int rb, const int bf16, const float* q, Py_ssize_t D, const void* k,
+DK_AI void dk_qk_direct_rows(const int rb, const int ld, const float* q, Py_ssize_t D, const void* k,
                              Py_ssize_t lds, float* s) {
     dk_af a[DK_RB_SMALL][2];
     for (int i = 0; i < rb; i++) a[i][0] = a[i][1] = (dk_af){0};
     for (Py_ssize_t d = 0; d < D; d += 2 * DK_W) {
-        dk_af x0 = dk_ldw(k, bf16, d), x1 = dk_ldw(k, bf16, d + DK_W);
+        dk_af x0 = dk_ldw(k, ld, d), x1 = dk_ldw(k, ld, d + DK_W);
         for (int i = 0; i < rb; i++) {
             a[i][0] += DK_LD(q + i * D + d) * x0;
             a[i][1] += DK_LD(q + i * D + d + DK_W) * x1;
@@ -167,7 +183,7 @@ DK_AI void dk_qk_direct_rows(const int rb, const int bf16, const float* q, Py_ss
 
 /* acc[i, 0:D] (row stride lda) += p[i, 0:n] (row stride ldp) . V rows 0:n (`stride` elements
    apart), i < rb: the accumulators stay in registers over the n keys. D a multiple of DK_DIRECT_D. */
-DK_AI void dk_pv_direct_rows(const int rb, const int bf16, const float* p, Py_ssize_t ldp, Py_ssize_t n,
+DK_AI void dk_pv_direct_rows(const int rb, const int ld, const float* p, Py_ssize_t ldp, Py_ssize_t n,
                              const void* vm, Py_ssize_t stride, Py_ssize_t D, float* acc, Py_ssize_t lda) {
     for (Py_ssize_t d0 = 0; d0 < D; d0 += DK_DIRECT_D) {
         dk_af a[DK_RB_SMALL][DK_PVN];
@@ -175,7 +191,7 @@ DK_AI void dk_pv_direct_rows(const int rb, const int bf16, const float* p, Py_ss
             for (int w = 0; w < DK_PVN; w++) a[i][w] = DK_LD(acc + i * lda + d0 + w * DK_W);
         for (Py_ssize_t c = 0; c < n; c++) {
             dk_af x[DK_PVN];
-            for (int w = 0; w < DK_PVN; w++) x[w] = dk_ldw(vm, bf16, c * stride + d0 + w * DK_W);
+            for (int w = 0; w < DK_PVN; w++) x[w] = dk_ldw(vm, ld, c * stride + d0 + w * DK_W);
             for (int i = 0; i < rb; i++) {
                 float pi = p[i * ldp + c];
                 for (int w = 0; w < DK_PVN; w++) a[i][w] += pi * x[w];
@@ -187,36 +203,42 @@ DK_AI void dk_pv_direct_rows(const int rb, const int bf16, const float* p, Py_ss
 }
 
 /* For keys c < n and kv heads g < H, in address order (key c's rows of all heads are contiguous:
-   (n, H, D) from k or v, float32 or bf16 bits); rp rows per head, of which rb <= DK_RB_SMALL count:
+   (n, H, D) from k or v, read as `ld` says); rp rows per head, of which rb <= DK_RB_SMALL count:
    s[(g rp + i) lds + c] = q[g rp + i, 0:D] . K[c, g], and acc[g rp + i, 0:D] (row stride lda) +=
-   p[(g rp + i) ldp + c] V[c, g]. Specialised on rb and the dtype. */
+   p[(g rp + i) ldp + c] V[c, g]. Specialised on rb and ld. */
 #ifndef DK_PV_KEYS
 #define DK_PV_KEYS 4
 #endif
+#define DK_DIRECT_LDS(CALL, R) \
+    if (ld == DK_LD_BF16) CALL(R, DK_LD_BF16) \
+    else if (ld == DK_LD_F32_ROUNDED) CALL(R, DK_LD_F32_ROUNDED) \
+    else CALL(R, DK_LD_F32)
 #define DK_DIRECT_CASES(CALL) \
-    if (rb <= 2) { if (bf16) CALL(2, 1) else CALL(2, 0) } \
-    else { if (bf16) CALL(DK_RB_SMALL, 1) else CALL(DK_RB_SMALL, 0) }
-static void dk_qk_direct(int rb, int bf16, const float* q, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t D,
+    if (rb <= 2) { DK_DIRECT_LDS(CALL, 2) } else { DK_DIRECT_LDS(CALL, DK_RB_SMALL) }
+#define DK_ELEM(B) ((B) == DK_LD_BF16 ? 2 : 4)
+static void dk_qk_direct(int rb, int ld, const float* q, Py_ssize_t rp, Py_ssize_t H, Py_ssize_t D,
                          const void* k, Py_ssize_t n, float* s, Py_ssize_t lds) {
 #define DK_QKD(R, B) \
     { for (Py_ssize_t c = 0; c < n; c++) \
           for (Py_ssize_t g = 0; g < H; g++) \
-              dk_qk_direct_rows(R, B, q + g * rp * D, D, (const char*)k + (c * H + g) * D * (B ? 2 : 4), lds, \
+              dk_qk_direct_rows(R, B, q + g * rp * D, D, (const char*)k + (c * H + g) * D * DK_ELEM(B), lds, \
                                 s + g * rp * lds + c); }
     DK_DIRECT_CASES(DK_QKD)
 #undef DK_QKD
 }
-static void dk_pv_direct(int rb, int bf16, const float* p, Py_ssize_t ldp, Py_ssize_t rp, Py_ssize_t H,
+static void dk_pv_direct(int rb, int ld, const float* p, Py_ssize_t ldp, Py_ssize_t rp, Py_ssize_t H,
                          Py_ssize_t n, const void* v, Py_ssize_t D, float* acc, Py_ssize_t lda) {
 #define DK_PVD(R, B) \
     { for (Py_ssize_t c = 0; c < n; c += DK_PV_KEYS) \
           for (Py_ssize_t g = 0; g < H; g++) \
               dk_pv_direct_rows(R, B, p + g * rp * ldp + c, ldp, n - c < DK_PV_KEYS ? n - c : DK_PV_KEYS, \
-                                (const char*)v + (c * H + g) * D * (B ? 2 : 4), H * D, D, acc + g * rp * lda, lda); }
+                                (const char*)v + (c * H + g) * D * DK_ELEM(B), H * D, D, acc + g * rp * lda, lda); }
     DK_DIRECT_CASES(DK_PVD)
 #undef DK_PVD
 }
 #undef DK_DIRECT_CASES
+#undef DK_DIRECT_LDS
+#undef DK_ELEM
 
 /* kt[d * ldt + c] = element d of source row c (rows `stride` elements apart), c < n, d < D:
    the K tile transposed (and upcast), in 8 x 8 register transposes where AVX2 allows. */
