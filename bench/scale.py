@@ -339,7 +339,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
     eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
-               draft_precision=draft_precision, kv_dtype=kv_dtype, fuse_weights=True, draft_vocab=draft_vocab_size is None)
+               draft_precision=draft_precision, kv_dtype=kv_dtype, fuse_weights=True,
+               draft_vocab=draft_vocab_size is None)
     tgt, dr = eng.target, eng.drafter
     if draft_vocab_size:
         dr.set_draft_vocab(np.arange(draft_vocab_size, dtype=np.int64), tgt.lm_head_table)

@@ -10,8 +10,9 @@ Work item = (block of query positions, key split). Per key tile, every kv head g
 `group` query heads reading g are packed with the block's positions into up to QROWS rows, so a
 K/V tile is loaded (transposed, upcast) once for all of them, and S = Q K^T, the masked online
 softmax and acc += P V run on register blocks of 4 or 8 rows (16-row tiles on AMX at "medium").
-A decode step (at most 4 rows per kv head, exact operands) has too few rows to pay for tiles: its K and
-V rows are read in place, every head of a key in address order (dk_qk_direct). The kv-head loop sits inside the tile loop
+A decode step (at most 4 rows per kv head) has too few rows to pay for tiles: its K and V rows are
+read in place, every head of a key in address order (dk_qk_direct; at "medium", FMA on the operands
+rounded as they are read). The kv-head loop sits inside the tile loop
 because one key's rows of all heads share a page: TLB misses are paid once per key, not per head.
 The key split depends on the shape only (never on n_threads); the last split of a query block to
 finish merges the partials in split order, so results are identical for every n_threads.

@@ -117,10 +117,11 @@ static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
 #endif
 
 /* A decode step packs only a few query rows (the GQA group) per kv head, too few to pay for a
-   transposed K tile and a copied V tile: each K element fed 4 FMAs, and 16 queries over 4096
-   keys streamed the cache at 7.5 GB/s on one Zen 4 core. Below, K and V rows are read in place
-   (float32, or bf16 upcast in registers): S by dot products on K rows, P V with the accumulators in
-   registers for DK_PVN vectors of dims at a time. */
+   transposed K tile and a copied V tile: each K element fed at most 4 FMAs, and one query over
+   4096 keys (32/8 heads) streamed the cache at 7.5 GB/s on one Zen 4 core. Below, K and V rows are
+   read in place (float32, bf16 upcast in registers, or float32 rounded to bf16 for "medium"): S by
+   dot products on K rows, P V with the accumulators in registers for DK_PVN vectors of dims at a
+   time. */
 #if defined(__AVX512F__)
 #define DK_PVN 4
 #else
