@@ -81,9 +81,11 @@ def run_bench(eng, *, prompts_file=None, n_prompts=8, max_new_tokens=128, temper
     eng.generate(prompts[0], 8, num_speculative_tokens=num_speculative_tokens)  # warm-up: JIT caches, buffers
     rows, lossless = [], {}
     for temp in temperatures:
-        # None: what generate would draft at this temperature with a seed, as here (the tuned k, else
-        # auto / block_size - 1)
-        k = eng.default_speculative_tokens(temp, seed) if num_speculative_tokens is None else num_speculative_tokens
+        # None: what `dflash generate` drafts at this temperature as a user runs it, without a seed (the
+        # tuned k, else auto). The seeds below only make the autoregressive rows repeatable; seeded
+        # generate's own default (block_size - 1, for reproducible sampled tokens) ran SmolLM2 at
+        # T = 0.7 at 0.46x autoregressive where auto ran 1.15x (Zen 4, docs/benchmarks.md session 16).
+        k = eng.default_speculative_tokens(temp) if num_speculative_tokens is None else num_speculative_tokens
         ar, sd = [], []
         for i, p in enumerate(tqdm(prompts, desc=f"bench T={temp}", leave=False)):
             ar += _run(eng, [p], max_new_tokens, temp, 0, seed + i)

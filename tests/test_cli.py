@@ -73,15 +73,19 @@ def test_bench_writes_json_markdown_and_plots(pair, tmp_path, capsys):
     assert report["machine"]["cpu"] and report["versions"]["torch"]
 
 
-def test_bench_at_a_sampling_temperature_only_writes_its_plots(pair, tmp_path, capsys):
+def test_bench_at_a_sampling_temperature_only_writes_its_plots(pair, tmp_path, capsys, monkeypatch):
     """Without T = 0 among the temperatures there is no greedy autoregressive row for the (greedy)
-    k sweep's plot to draw against: the plot goes without it (it raised StopIteration)."""
+    k sweep's plot to draw against: the plot goes without it (it raised StopIteration). Without -k
+    the sampled row drafts what `dflash generate` drafts unseeded (untuned: auto), although the
+    bench seeds its runs."""
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))  # no tuned k
     target, drafter = pair
     rc = main(["bench", "--target", str(target), "--drafter", str(drafter), "--n-prompts", "2",
                "--max-new-tokens", "8", "--temperatures", "0.7", "--seed", "0", "--out", str(tmp_path / "out")])
     assert rc == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert {(r["mode"], r["temperature"]) for r in report["rows"]} == {("autoregressive", 0.7), ("dflash", 0.7)}
+    assert next(r for r in report["rows"] if r["mode"] == "dflash")["num_speculative_tokens"] == "auto"
     assert (tmp_path / "out" / "per_position_acceptance.png").stat().st_size > 1000
 
 
