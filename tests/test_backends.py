@@ -44,6 +44,10 @@ def test_show_config(capsys):
     out = capsys.readouterr().out
     assert "backend cython" in out and "ISA tier: machine" in out and "torch" in out
     assert "public ops' checks: " in out
+    if "cython" in dk.available_backends():  # the decode path and the drafter's precision, as they run here
+        assert "decode steps (<= 4 query rows per kv head)" in out
+        want = "medium: a bf16 dot product" if dk.bf16_dot_pays() else "the target's: no bf16 dot product"
+        assert f'drafter precision (model.load\'s draft_precision="auto"): {want}' in out
 
 
 def test_show_config_names_the_fast_path(capsys, monkeypatch):
