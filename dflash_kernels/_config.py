@@ -7,7 +7,7 @@ import sys
 
 from . import _isa
 from ._backends import BACKENDS, backend_error, resolve, tier_built
-from ._precision import PRECISIONS, bf16_dot_pays, get_matmul_precision
+from ._precision import PRECISIONS, bf16_dot_of, get_matmul_precision
 from ._threads import default_threads
 
 
@@ -47,14 +47,13 @@ def tier_lines() -> list[str]:
     entries = sorted(delegated_entries(default_threads()))
     lines.append(f"linear shapes delegated to torch here (tune_linear / dflash tune-kernels, {cache_file()}): "
                  + (", ".join(entries) if entries else "none"))
-    medium = ("AMX tiles" if dense.amx_available() else
-              "vdpbf16ps" if dense.bf16dot_available() and dense.bf16dot_pays() else "")
-    medium = f"{medium} on bf16 pair words" if medium else "FMA on operands rounded to bf16"
+    dot = bf16_dot_of(dense)
+    medium = f"{dot} on bf16 pair words" if dot else "FMA on operands rounded to bf16"
     lines.append(f"attention \"medium\": {dense.TIER}:{medium}; \"highest\" / \"high\": {dense.TIER}:fma; "
                  f"decode steps (<= 4 query rows per kv head): {dense.TIER}:fma on K/V read in place")
     lines.append("drafter precision (model.load's draft_precision=\"auto\"): "
-                 + ("medium: a bf16 dot product runs it here" if bf16_dot_pays() else "the target's: no bf16 dot "
-                    "product pays here"))
+                 + ("medium: a bf16 dot product runs it here" if dot
+                    else "the target's: no bf16 dot product pays here"))
     lines.append(f"attention, denoise_block, norms, RoPE, linear attention: {dense.TIER} vectors "
                  f"({'16' if dense.TIER != 'avx2' else '8'}-float FMA where the compiler vectorises)")
     return lines

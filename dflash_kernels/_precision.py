@@ -118,4 +118,12 @@ def bf16_dot_pays() -> bool:
         _, dense = resolve("cython", "dense")
     except RuntimeError:  # no Cython build: the Numba and torch paths have no such rule
         return False
-    return bool(dense.amx_available() or (dense.bf16dot_available() and dense.bf16dot_pays()))
+    return bf16_dot_of(dense) is not None
+
+
+def bf16_dot_of(dense) -> str | None:
+    """The bf16 dot-product instruction a Cython tier's dense module runs "medium" on here ("AMX tiles"
+    or "vdpbf16ps"), None where "medium" runs FMA on rounded operands."""
+    if dense.amx_available():
+        return "AMX tiles"
+    return "vdpbf16ps" if dense.bf16dot_available() and dense.bf16dot_pays() else None
