@@ -118,7 +118,7 @@ static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
 
 /* A decode step packs only a few query rows (the GQA group) per kv head, too few to pay for a
    transposed K tile and a copied V tile: each K element fed at most 4 FMAs, and per head the reads
-   jumped a whole cache row (H_kv * D elements) from key to key. Below (bench/attention_ab.py: 0.59-0.64
+   jumped a whole cache row (H_kv * D elements) from key to key. Below (bench/attention_ab.py: 0.58-0.64
    of the tiled time on a Zen 4, docs/benchmarks.md session 16), K and V rows are
    read in place (float32, bf16 upcast in registers, or float32 rounded to bf16 for "medium"): S by
    dot products on K rows, P V with the accumulators in registers for DK_PVN vectors of dims at a
