@@ -8,9 +8,13 @@ tau(k) * T_ar / (T_draft(k) + T_verify(k) + T_accept) (docs/dflash.md 5) for a g
 AR step against the weight-streaming roofline (bytes read per step / streaming read bandwidth measured
 in the same run). For a Qwen3.5 target it also times the rollback after a k=15 verification
 (``HybridCache.truncate`` to an accepted prefix of 6 drafts: restoring the Gated DeltaNet states).
+It also projects the speedup at the k that auto's rule picks from these costs (geometric acceptance
+fitted to the seed's tau), and with --prefill N the time to first token of an N-token prompt and the
+prefill's rate against the tier's register-only peaks.
 
     python bench/scale.py --shape Qwen3-1.7B --tau-json trained_tau.json --out results.json
     python bench/scale.py --shape Qwen3.5-0.8B --repeats 3
+    python bench/scale.py --shape Qwen3.5-9B --layers 4 --keep /tmp/q9 --ks 7,15 --prefill 512
     python bench/scale.py --target SmolLM2-135M-Instruct.Q4_1.gguf --drafter model/default/smollm2-drafter
 
 With --target / --drafter it times those checkpoints (a real model; its shape read from its config)
@@ -329,23 +333,29 @@ def _rewinder(cache, base: int):
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
             rollback=(15, 6), precision=None, draft_precision="auto", kv_dtype="float32",
-            draft_vocab_size=None) -> dict:
+            draft_vocab_size=None, prefill=0) -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
     after a k-draft verification (the Gated DeltaNet state restore), None to skip. kv_dtype: the
     target's KV cache storage ("float32" or "bfloat16"). draft_vocab_size: None, the drafter's
     draft_vocab.json if it has one; 0, none; N, the first N token ids (a stand-in that times a
-    drafting vocabulary of that size: which ids does not change the time)."""
+    drafting vocabulary of that size: which ids does not change the time). prefill: also time the
+    first token of a prompt of this many tokens (measure_prefill), 0 to skip."""
     from dflash_kernels.model import load
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
-    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=context + 64, precision=precision,
+    max_len = max(context, prefill) + 64
+    eng = load(target_dir, drafter_dir, n_threads=n_threads, max_len=max_len, precision=precision,
                draft_precision=draft_precision, kv_dtype=kv_dtype, fuse_weights=True,
                draft_vocab=draft_vocab_size is None)
     tgt, dr = eng.target, eng.drafter
     if draft_vocab_size:
         dr.set_draft_vocab(np.arange(draft_vocab_size, dtype=np.int64), tgt.lm_head_table)
-    cache, ctx = tgt.new_cache(context + 64, kv_dtype), dr.new_cache(context + 64)
     rng = np.random.default_rng(0)
+    res = {"context": context}
+    if prefill:
+        res["prefill"] = measure_prefill(tgt, dr, rng.integers(0, min(151643, tgt.cfg.vocab_size), prefill).tolist(),
+                                         kv_dtype=kv_dtype, repeats=max(1, min(repeats, 3)))
+    cache, ctx = tgt.new_cache(context + 64, kv_dtype), dr.new_cache(context + 64)
     prompt = rng.integers(0, min(151643, tgt.cfg.vocab_size), context).tolist()
     _, taps = tgt.forward(prompt, cache, last_only=True, taps=True)
     dr.add_context(taps, ctx)
@@ -358,9 +368,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         h, _ = tgt.forward([anchor], cache, taps=False)
         tgt.greedy(h)
 
-    res = {"context": context, "t_ar_s": _median(ar_step, repeats, rewind), "k": {},
-           "draft_precision": dr.ops.precision,
-           "draft_vocab": None if dr.draft_ids is None else len(dr.draft_ids)}
+    res.update(t_ar_s=_median(ar_step, repeats, rewind), k={}, draft_precision=dr.ops.precision,
+               draft_vocab=None if dr.draft_ids is None else len(dr.draft_ids))
     # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
     h1, _ = tgt.forward([anchor], cache, taps=False)
     rewind()
@@ -401,6 +410,46 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     return res
 
 
+def measure_prefill(tgt, dr, prompt: list, *, kv_dtype: str, repeats: int) -> dict:
+    """Time to first token for `prompt`, in its three parts (median of `repeats`, each on fresh
+    caches, as a new request starts): the target's forward over the prompt (its prefill chunks,
+    with the taps the drafter reads), the drafter's context K/V built from those taps, and the
+    first token's greedy pass over the vocabulary."""
+    def target_forward():
+        return tgt.forward(prompt, tgt.new_cache(len(prompt) + 1, kv_dtype), last_only=True, taps=True)
+
+    h, taps = target_forward()
+    return {"tokens": len(prompt), "t_target_s": _median(target_forward, repeats),
+            "t_draft_context_s": _median(lambda: dr.add_context(taps, dr.new_cache(len(prompt) + 1)), repeats),
+            "t_first_token_s": _median(lambda: tgt.greedy(h), repeats)}
+
+
+def prefill_flops(s, tokens: int) -> float:
+    """Matmul FLOPs of a target forward over `tokens` prompt rows (LM head excluded: one row): every
+    layer's projections (2 x params per row) and the causal attention of its full-attention layers
+    (Q.K^T and P.V over the rows before each). The Gated DeltaNet recurrence (a few % of a layer) and
+    the norms are not counted, so the rate quoted is a lower bound."""
+    weights, _ = step_bytes(s, 0)
+    layer_params = weights / 2 - s.vocab * s.hidden
+    n_full = s.layer_types.count("full_attention") if isinstance(s, HybridShape) else s.layers
+    pairs = tokens * (tokens + 1) / 2  # (query, key) pairs under the causal mask
+    return 2.0 * tokens * layer_params + n_full * 2 * 2 * pairs * s.heads * s.head_dim
+
+
+def best_k_projection(res: dict, tau15: float) -> dict:
+    """The k that auto's rule (model/adaptive.py: the largest E(k) / C(k)) picks from this run's
+    costs, with acceptance geometric in the position and fitted to tau at k = 15:
+    E(k) = 1 + a + ... + a^k, a solving E(15) = tau15. Returns {"k", "alpha", "speedup"}."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # E(15) rises with a
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** j for j in range(16)) < tau15 else (lo, a)
+    rates = {k: sum(a ** j for j in range(k + 1)) / sum(r[t] for t in ("t_draft_s", "t_verify_s", "t_accept_s"))
+             for k, r in res["k"].items()}
+    k = max(rates, key=rates.get)
+    return {"k": k, "alpha": a, "speedup": rates[k] * res["t_ar_s"]}
+
+
 def projected(res: dict, tau: dict) -> dict:
     out = {}
     for k, _t in tau.items():
@@ -435,6 +484,9 @@ def main(argv=None) -> int:
                     help="Qwen3.5 shapes: write and time only this many target layers (a multiple of 4 keeps "
                          "the 3:1 pattern) at full width, with the full LM head and drafter, and scale the "
                          "layers' time to the full depth (for shapes that do not fit in memory)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also time the first token of an N-token prompt (prefill, the drafter's context, the "
+                         "first greedy pass) and its rate against this tier's register-only peaks")
     args = ap.parse_args(argv)
     if args.isa:
         import dflash_kernels as dk
@@ -476,11 +528,16 @@ def main(argv=None) -> int:
             written = True
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
                       precision=args.precision, kv_dtype=args.kv_dtype, draft_vocab_size=args.draft_vocab_size,
-                      draft_precision=None if args.draft_precision == "target" else args.draft_precision)
+                      draft_precision=None if args.draft_precision == "target" else args.draft_precision,
+                      prefill=args.prefill)
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision, kv_dtype=args.kv_dtype)
         n_layers = s.layers if args.target else json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
+        if args.prefill:  # the ceilings, measured in the same run (the best of three: noise only slows them)
+            dense = dk.kernel_module("dense", "cython")
+            res["peak_fma_gflops"] = max(dense.peak_gflops("fma", args.threads, 0.2) for _ in range(3))
+            res["peak_bf16dot_gflops"] = max(dense.peak_gflops("bf16dot", args.threads, 0.2) for _ in range(3))
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
         f = s.layers / n_layers
@@ -488,6 +545,11 @@ def main(argv=None) -> int:
         res["t_ar_s"] = res["t_head_ar_s"] + f * (res["t_ar_s"] - res["t_head_ar_s"])
         for r in res["k"].values():
             r["t_verify_s"] = r["t_head_verify_s"] + f * (r["t_verify_s"] - r["t_head_verify_s"])
+    if args.prefill:  # the rate from the layers timed; the time to first token at the full depth
+        pf = res["prefill"]
+        timed = dataclasses.replace(s, layers=n_layers) if n_layers < s.layers else s
+        pf["gflops"] = prefill_flops(timed, pf["tokens"]) / pf["t_target_s"] / 1e9
+        pf["ttft_s"] = (s.layers / n_layers * pf["t_target_s"] + pf["t_draft_context_s"] + pf["t_first_token_s"])
     weight_bytes, kv_bytes = step_bytes(s, args.context)
     gbs = stream_read_gbs(min(weight_bytes, 2 << 30), args.threads)
     res.update(shape=s.name, threads=args.threads, step_weight_bytes=weight_bytes, kv_bytes=kv_bytes,
@@ -524,6 +586,21 @@ def main(argv=None) -> int:
     res["projected_tau_range"] = {tau: tau * res["t_ar_s"] / rnd for tau in PUBLISHED_TAU_RANGE}
     print(f"projected at k={k_max} for the seed's tau range: "
           + ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in res["projected_tau_range"].items()))
+    tau_best = PUBLISHED_TAU_RANGE[1]
+    res["best_k_projected"] = best_k_projection(res, tau_best)
+    bk = res["best_k_projected"]
+    print(f"best k by auto's rule (acceptance {bk['alpha']:.3f} per position, tau {tau_best} at k=15): "
+          f"k={bk['k']}, projected {bk['speedup']:.2f}x")
+    pf = res.get("prefill")
+    if pf:
+        peaks = f"FMA peak {res['peak_fma_gflops']:.0f} GFLOP/s: {100 * pf['gflops'] / res['peak_fma_gflops']:.0f}%"
+        if res["peak_bf16dot_gflops"]:
+            peaks += (f"; vdpbf16ps peak {res['peak_bf16dot_gflops']:.0f} GFLOP/s: "
+                      f"{100 * pf['gflops'] / res['peak_bf16dot_gflops']:.0f}%")
+        print(f"prefill {pf['tokens']} tokens: time to first token {pf['ttft_s'] * 1e3:.0f} ms (target forward "
+              f"{pf['t_target_s'] * 1e3:.0f} ms over {n_layers} layers, drafter context "
+              f"{pf['t_draft_context_s'] * 1e3:.0f} ms, first greedy pass {pf['t_first_token_s'] * 1e3:.0f} ms); "
+              f"target {pf['gflops']:.0f} GFLOP/s ({peaks})")
     rb = res.get("rollback")
     if rb:
         print(f"rollback after k={rb['k']} verification to {rb['accepted']} accepted (HybridCache.truncate): "
