@@ -203,7 +203,8 @@ def cmd_train_drafter(args) -> int:
                                    block_size=args.block_size, batch=args.batch, lr=args.lr,
                                    n_sequences=args.sequences, threads=args.threads,
                                    init_from=args.init_from, taps=args.taps, prompts=args.prompts,
-                                   new_tokens=args.new_tokens), indent=2))
+                                   new_tokens=args.new_tokens, distill=args.distill, sampled=args.sampled,
+                                   sample_temperature=args.sample_temperature), indent=2))
     return 0
 
 
@@ -371,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=192, help="target continuation tokens per prompt")
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                    help="start from this drafter checkpoint's weights (fine-tuning; same shapes and taps)")
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="weight in [0, 1] of the soft cross-entropy to the target's next-token distribution "
+                        "(the rest: cross-entropy to the continuation's tokens)")
+    p.add_argument("--sampled", type=float, default=0.0, metavar="F",
+                   help="fraction of the target continuations sampled (at --sample-temperature) instead of greedy")
+    p.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled continuations")
     p.set_defaults(func=cmd_train_drafter)
     return ap
 

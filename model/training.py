@@ -323,20 +323,35 @@ def fast_bf16() -> bool:
 # ------------------------------------------------------------------------------------------ drafter
 @torch.no_grad()
 def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps: list[int], batch: int = 32,
-                          stop_ids=(), bf16: bool = False, quiet: bool = False) -> dict:
-    """The target's own greedy continuations of ``prompts`` (lists of token ids, any lengths) and its
-    tap features at every position, captured while generating (training never runs the target again).
+                          stop_ids=(), bf16: bool = False, quiet: bool = False, sampled: float = 0.0,
+                          temperature: float = 0.7, seed: int = 0) -> dict:
+    """The target's own continuations of ``prompts`` (lists of token ids, any lengths) and its tap
+    features at every position, captured while generating (training never runs the target again).
+
+    Continuations are greedy, except for a ``sampled`` fraction of the prompts (chosen at random by
+    ``seed``), which are sampled at ``temperature``: the text a drafter meets when the user samples.
 
     Returns {"tokens" (N, L) int64, "length" (N,) valid tokens per row (up to and including the first
-    stop id), "prompt_len" (N,), "feats" (N, L, len(taps) * H) bfloat16}; rows are left-aligned,
-    zero past their length. bf16: run the target under bf16 autocast (fast where fast_bf16()).
+    stop id), "prompt_len" (N,), "sampled" (N,) bool, "feats" (N, L, len(taps) * H) bfloat16,
+    "final" (N, L, H) bfloat16: the target's final-normed hidden state, whose LM-head logits are
+    its distribution for the next token (the distillation targets)}; rows are left-aligned, zero past
+    their length. bf16: run the target under bf16 autocast (fast where fast_bf16()).
     """
+    if not 0.0 <= sampled <= 1.0:
+        raise ValueError(f"sampled must be a fraction in [0, 1], got {sampled!r}")
+    if sampled and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to sample, got {temperature!r}")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     longest = max(len(p) for p in prompts)
     H = target.cfg["hidden_size"]
+    last = target.cfg["num_hidden_layers"] - 1  # its tap is final-normed (Qwen3LM.forward)
+    read = list(taps) + [last]
     n = len(prompts)
+    gen = torch.Generator().manual_seed(seed)
+    is_sampled = torch.rand(n, generator=gen) < sampled
     tokens = torch.zeros(n, longest + new_tokens, dtype=torch.int64)
     feats = torch.zeros(n, longest + new_tokens, len(taps) * H, dtype=torch.bfloat16)
+    final = torch.zeros(n, longest + new_tokens, H, dtype=torch.bfloat16)
     length, prompt_len = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
     stops = torch.tensor(sorted(set(stop_ids)) or [-1])
     for i in tqdm(range(0, n, batch), desc="drafter data", disable=quiet):
@@ -346,25 +361,33 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
         x = torch.zeros(len(rows), P, dtype=torch.int64)
         for j, r in enumerate(rows):
             x[j, pad[j]:] = torch.as_tensor(prompts[r])
+        sample_rows = is_sampled[rows]
         seqs, tapped_all = [x], []
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits, tapped, cache = target(x, taps=taps, pad=pad)
+            logits, tapped, cache = target(x, taps=read, pad=pad)
             tapped_all.append(torch.cat(tapped, -1))
             for _ in range(new_tokens):
-                nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+                last_logits = logits[:, -1].float()
+                nxt = last_logits.argmax(-1, keepdim=True)
+                if sample_rows.any():
+                    drawn = torch.multinomial(torch.softmax(last_logits[sample_rows] / temperature, -1), 1,
+                                              generator=gen)
+                    nxt[sample_rows] = drawn
                 seqs.append(nxt)
-                logits, tapped, cache = target(nxt, cache=cache, taps=taps, pad=pad)
+                logits, tapped, cache = target(nxt, cache=cache, taps=read, pad=pad)
                 tapped_all.append(torch.cat(tapped, -1))
         seq, ft = torch.cat(seqs, 1), torch.cat(tapped_all, 1).to(torch.bfloat16)
         for j, r in enumerate(rows):
             p = int(pad[j])
-            gen = seq[j, P:]
-            hit = torch.isin(gen, stops).nonzero()
+            out = seq[j, P:]
+            hit = torch.isin(out, stops).nonzero()
             valid = P - p + (int(hit[0]) + 1 if len(hit) else new_tokens)
             tokens[r, :valid] = seq[j, p: p + valid]
-            feats[r, :valid] = ft[j, p: p + valid]
+            feats[r, :valid] = ft[j, p: p + valid, :-H]
+            final[r, :valid] = ft[j, p: p + valid, -H:]
             length[r], prompt_len[r] = valid, P - p
-    return {"tokens": tokens, "length": length, "prompt_len": prompt_len, "feats": feats}
+    return {"tokens": tokens, "length": length, "prompt_len": prompt_len, "sampled": is_sampled, "feats": feats,
+            "final": final}
 
 
 def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
@@ -414,8 +437,9 @@ def mask_token_id(cfg: dict, tok) -> int:
 
 def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, batch=8, anchors=16,
                   prompt_len=64, new_tokens=192, n_sequences=2048, lr=6e-4, seed=0, resume=True,
-                  threads=None, quiet=False, init_from=None, taps=None, prompts="stdlib", bf16=None) -> dict:
-    """DFlash drafter on the target's greedy continuations: random anchors, block mask, decayed loss.
+                  threads=None, quiet=False, init_from=None, taps=None, prompts="stdlib", bf16=None,
+                  distill: float = 0.0, sampled: float = 0.0, sample_temperature: float = 0.7) -> dict:
+    """DFlash drafter on the target's own continuations: random anchors, block mask, decayed loss.
 
     target_dir: a checkpoint directory or a GGUF file. prompts: "stdlib" (corpus windows of
     prompt_len tokens, the shipped stdlib pair) or "chat" (generated user messages through the
@@ -423,7 +447,17 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     directory to start from (fine-tuning); ignored when resuming. taps: target layer ids to read
     (default: the default rule, docs/dflash.md 6). bf16: data generation and training under bf16
     autocast (default: where torch's bf16 matmuls are fast, fast_bf16()).
+
+    distill: the weight of distillation in the loss, in [0, 1]: (1 - distill) x cross-entropy to the
+    continuation's tokens + distill x soft cross-entropy to the target's own next-token distribution at
+    each drafted position (its LM head on its final hidden state, stored with the data). The hard labels
+    only say which token the target chose; the distribution also says how likely the others were,
+    which is what sampled drafts are accepted by (acceptance min(1, p/q), docs/dflash.md 4).
+    sampled: the fraction of continuations sampled at sample_temperature instead of greedy, so the
+    drafter also sees the text that sampling produces (generate_drafter_data).
     """
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must be a weight in [0, 1], got {distill!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if threads:
@@ -452,14 +486,20 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         if data.get("taps") != taps:
             raise ValueError(f"{data_path}: features of target layers {data.get('taps')}, not {taps}; "
                              "delete it to regenerate")
+        made = (data.get("sampled_fraction", 0.0), data.get("sample_temperature", sample_temperature))
+        if made != (sampled, sample_temperature) or (distill and "final" not in data):
+            raise ValueError(f"{data_path}: made with sampled={made[0]}, temperature={made[1]}"
+                             f"{'' if 'final' in data else ', without the target distributions'}; this run asks "
+                             f"for sampled={sampled}, temperature={sample_temperature}"
+                             f"{', distill' if distill else ''}: delete it to regenerate")
     else:
         eos = tcfg.get("eos_token_id")
         eos = eos if isinstance(eos, int) else tcfg.get("bos_token_id", 0)
         ids = _drafter_prompts(tok, template, prompts, n_sequences, prompt_len, eos, seed)
         stops = (eos,) if prompts == "chat" else ()
         data = generate_drafter_data(target, ids, new_tokens, taps, batch=64, stop_ids=stops, bf16=bf16,
-                                     quiet=quiet)
-        data["taps"] = taps
+                                     quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed)
+        data.update(taps=taps, sampled_fraction=sampled, sample_temperature=sample_temperature)
         torch.save(data, data_path)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
@@ -478,7 +518,8 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     gen = torch.Generator().manual_seed(seed + step)
     offs = torch.arange(block_size)
 
-    def batch_loss(idx: torch.Tensor):
+    def batch_loss(idx: torch.Tensor, teacher_needed: bool = False):
+        """(loss, greedy hits (B, N, Bk-1), the target's logits at the drafted positions or None)"""
         rows, length, plen = data["tokens"][idx], data["length"][idx], data["prompt_len"][idx]
         feats = data["feats"][idx].float()  # (B, L, n*H)
         B, L = rows.shape
@@ -497,33 +538,52 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         logits = logits.float()
         labels = torch.gather(rows, 1, pos).view(B, anchors, block_size)[..., 1:]
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        teacher = None
+        if (distill or teacher_needed) and "final" in data:
+            # the target's distribution for the token at p is its LM head on its state at p - 1
+            prev = (pos - 1).clamp(min=0).view(B, anchors, block_size)[..., 1:].flatten(1)
+            final = data["final"][idx]
+            state = torch.gather(final, 1, prev[..., None].expand(-1, -1, final.shape[-1]))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
+                teacher = F.linear(state.float().view(B, anchors, block_size - 1, -1), lm_head).float()
+        if distill:
+            soft = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            ce = (1.0 - distill) * ce + distill * soft
         acc = (logits.argmax(-1) == labels).float() * valid
         w = weights * valid
-        return (ce * w).sum() / w.sum().clamp(min=1e-6), acc
+        return (ce * w).sum() / w.sum().clamp(min=1e-6), acc, (None if teacher is None else (teacher, logits, valid))
 
-    def eval_metrics():
-        drafter.eval()
-        with torch.no_grad():
-            loss, acc = batch_loss(torch.arange(min(64, n_eval)))
-        drafter.train()
+    def tau_estimate(accept: torch.Tensor) -> float:
         # tau = tokens per round. Decoding visits an anchor once per round, so fast (long-accept)
         # stretches get few rounds: the estimate is the harmonic mean of (accepted prefix + 1) over
         # anchors, not the plain mean. On the shipped pair's own continuations: plain mean 6.6,
         # harmonic 3.2, decoding measured 4.1 (the harmonic mean is the conservative one).
-        tau = float(1.0 / (1.0 / (acc.cumprod(-1).sum(-1) + 1)).mean())
-        return float(loss), tau
+        return float(1.0 / (1.0 / (accept.cumprod(-1).sum(-1) + 1)).mean())
+
+    def eval_metrics() -> dict:
+        drafter.eval()
+        with torch.no_grad():
+            loss, acc, dists = batch_loss(torch.arange(min(64, n_eval)), teacher_needed=True)
+        drafter.train()
+        out = {"eval_loss": float(loss), "eval_tau_estimate": tau_estimate(acc)}
+        if dists is not None:
+            # sampling at T accepts a draft with probability sum_v min(p_T(v), q_T(v)) (docs/dflash.md 4)
+            teacher, logits, valid = dists
+            t = sample_temperature
+            accept = torch.minimum(torch.softmax(teacher / t, -1), torch.softmax(logits / t, -1)).sum(-1) * valid
+            out[f"eval_tau_estimate_t{t:g}"] = tau_estimate(accept)
+        return out
 
     def step_loss():
         return batch_loss(torch.randint(n_eval, n_all, (batch,), generator=gen))[0]
 
     def on_eval(row, step):
-        row["eval_loss"], row["eval_tau_estimate"] = (round(v, 4) for v in eval_metrics())
+        row.update({k: round(v, 4) for k, v in eval_metrics().items()})
         _save_state(state_path, drafter, opt, step)
         save_drafter(drafter, out, tcfg, taps, mask_id, block_size)  # usable while training goes on
 
     step = _optimize("train-drafter", drafter, opt, step, steps, lr, 100, step_loss, 250, on_eval, log_path, quiet)
-    loss, tau = eval_metrics()
-    final = {"eval_loss": loss, "eval_tau_estimate": tau, "steps": step, "taps": taps,
+    final = {**eval_metrics(), "steps": step, "taps": taps, "distill": distill, "sampled": sampled,
              "n_params": sum(p.numel() for p in drafter.parameters())}
     save_drafter(drafter, out, tcfg, taps, mask_id, block_size)
     (out / "train_result.json").write_text(json.dumps(final, indent=2) + "\n")

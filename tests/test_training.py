@@ -183,3 +183,50 @@ def test_merge_repeated_taps_sums_the_fc_blocks(tmp_path):
     engine = load(target, drafter)
     ids = engine.generate([5, 9, 11], 12, num_speculative_tokens=4, ignore_eos=True).token_ids
     assert ids == engine.generate([5, 9, 11], 12, num_speculative_tokens=0, ignore_eos=True).token_ids
+
+
+def test_drafter_data_final_states_give_the_targets_choices_and_samples_a_fraction(tiny_pair):
+    """The stored final-normed states are the target's next-token logits (its LM head on them picks
+    each greedy row's next token), and a `sampled` fraction of the rows is drawn at a temperature:
+    those leave the greedy path somewhere, reproducibly for a seed."""
+    out, _, _ = tiny_pair
+    target = T.load_torch_target(out / "target")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (4, 7, 5, 9, 6, 8, 3, 10)]
+    data = T.generate_drafter_data(target, prompts, 12, [0, 2], batch=4, quiet=True, sampled=0.5,
+                                   temperature=1.5, seed=3)
+    again = T.generate_drafter_data(target, prompts, 12, [0, 2], batch=4, quiet=True, sampled=0.5,
+                                    temperature=1.5, seed=3)
+    assert torch.equal(data["tokens"], again["tokens"]) and torch.equal(data["sampled"], again["sampled"])
+    assert 0 < int(data["sampled"].sum()) < len(prompts)
+    assert data["final"].shape == (len(prompts), data["tokens"].shape[1], target.cfg["hidden_size"])
+    left_greedy = 0
+    for i, p in enumerate(prompts):
+        n = int(data["length"][i])
+        with torch.no_grad():
+            choice = target.lm_head(data["final"][i, len(p) - 1: n - 1].float()).argmax(-1)
+        follows = choice == data["tokens"][i, len(p): n]
+        if bool(data["sampled"][i]):
+            left_greedy += int(not follows.all())
+        else:  # bf16 states: a near tie may flip, the rest is the target's own choice
+            assert follows.float().mean() >= 0.9
+    assert left_greedy >= 1
+    with pytest.raises(ValueError, match="sampled"):
+        T.generate_drafter_data(target, prompts, 4, [0], quiet=True, sampled=1.5)
+
+
+def test_drafter_distills_from_the_target_distribution(tiny_pair, tmp_path):
+    out, _, _ = tiny_pair
+    kw = dict(steps=20, layers=2, batch=4, anchors=4, prompt_len=16, new_tokens=40, n_sequences=32, lr=3e-3,
+              quiet=True)
+    res = T.train_drafter(tmp_path / "kd", out / "target", distill=0.5, sampled=0.5, **kw)
+    assert res["distill"] == 0.5 and res["sampled"] == 0.5
+    assert 1.0 <= res["eval_tau_estimate_t0.7"] <= 16.0
+    losses = _losses(tmp_path / "kd" / "train_log.jsonl")
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    data = torch.load(tmp_path / "kd" / "drafter_data.pt")
+    assert data["sampled_fraction"] == 0.5 and "final" in data
+    with pytest.raises(ValueError, match="delete it to regenerate"):  # the data was made greedy-and-sampled
+        T.train_drafter(tmp_path / "kd", out / "target", distill=0.5, sampled=0.0, **kw)
+    with pytest.raises(ValueError, match="distill"):
+        T.train_drafter(tmp_path / "kd2", out / "target", distill=1.5, **kw)
