@@ -310,6 +310,27 @@ def _median(fn, n, after=None):
     return statistics.median(ts)
 
 
+def _median_pair(fa, fb, n, after=None):
+    """Medians of fa's and fb's wall times over n alternating calls after one warm-up each (after()
+    runs after each fa call, untimed): two parts of one step timed under the same conditions, where
+    the machine's memory bandwidth moves from minute to minute."""
+    fa()
+    if after:
+        after()
+    fb()
+    ta, tb = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        fa()
+        ta.append(time.perf_counter() - t)
+        if after:
+            after()
+        t = time.perf_counter()
+        fb()
+        tb.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def _rewinder(cache, base: int):
     """A function that puts `cache` back to `base` positions between timed calls (untimed).
 
@@ -333,13 +354,19 @@ def _rewinder(cache, base: int):
 
 def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=range(1, 16),
             rollback=(15, 6), precision=None, draft_precision="auto", kv_dtype="float32",
-            draft_vocab_size=None, prefill=0) -> dict:
+            draft_vocab_size=None, prefill=0, read_gbs=None, split_head=False) -> dict:
     """rollback (k, accepted): for a hybrid target also time cache.truncate(base + accepted + 1) right
     after a k-draft verification (the Gated DeltaNet state restore), None to skip. kv_dtype: the
     target's KV cache storage ("float32" or "bfloat16"). draft_vocab_size: None, the drafter's
     draft_vocab.json if it has one; 0, none; N, the first N token ids (a stand-in that times a
     drafting vocabulary of that size: which ids does not change the time). prefill: also time the
-    first token of a prompt of this many tokens (measure_prefill), 0 to skip."""
+    first token of a prompt of this many tokens (measure_prefill), 0 to skip. read_gbs: a function
+    measuring the streaming read (GB/s), run right before and right after the AR step's timing: the
+    memory bandwidth of a shared machine moves within minutes (33-63 GB/s on one Zen 4), so a read
+    measured at another moment puts T_ar anywhere from 0.5x to 2x its roofline. split_head: also
+    time the target's forward without the LM head's greedy pass, alternating with that pass
+    (t_fwd_*_s, t_head_*_s), for scaling the layers' time (main --layers): a difference of two
+    separately timed medians, scaled 8x, turned the bandwidth's drift into T_ar of 0.58x its roofline."""
     from dflash_kernels.model import load
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
@@ -368,12 +395,19 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         h, _ = tgt.forward([anchor], cache, taps=False)
         tgt.greedy(h)
 
+    gbs_before = read_gbs() if read_gbs else None
     res.update(t_ar_s=_median(ar_step, repeats, rewind), k={}, draft_precision=dr.ops.precision,
                draft_vocab=None if dr.draft_ids is None else len(dr.draft_ids))
     # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
     h1, _ = tgt.forward([anchor], cache, taps=False)
     rewind()
-    res["t_head_ar_s"] = _median(lambda: tgt.greedy(h1), repeats)
+    if split_head:
+        res["t_fwd_ar_s"], res["t_head_ar_s"] = _median_pair(lambda: tgt.forward([anchor], cache, taps=False),
+                                                             lambda: tgt.greedy(h1), repeats, rewind)
+    else:
+        res["t_head_ar_s"] = _median(lambda: tgt.greedy(h1), repeats)
+    if read_gbs:
+        res["stream_read_gbs_around_ar"] = (gbs_before, read_gbs())
     for k in ks:
         drafts = dr.draft(anchor, k, ctx)
         block = np.concatenate([[anchor], drafts]).astype(np.int64)
@@ -397,6 +431,10 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         res["k"][k] = {"t_draft_s": _median(lambda k=k: dr.draft(anchor, k, ctx), repeats),
                        "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind),
                        "t_head_verify_s": _median(lambda h=h: tgt.greedy(h), repeats)}
+        if split_head:
+            r = res["k"][k]
+            r["t_fwd_verify_s"], r["t_head_verify_s"] = _median_pair(
+                lambda block=block: tgt.forward(block, cache, taps=True), lambda h=h: tgt.greedy(h), repeats, rewind)
         if hybrid and rollback and k == rollback[0]:
             kept = base + rollback[1] + 1  # anchor + accepted drafts
 
@@ -507,6 +545,8 @@ def main(argv=None) -> int:
     if args.layers is not None and (not isinstance(s, HybridShape) or not 1 <= args.layers <= s.layers):
         ap.error(f"--layers needs a Qwen3.5 shape and 1 <= layers <= {s.layers}")
     torch.set_num_threads(args.threads)
+    weight_bytes, kv_bytes = step_bytes(s, args.context)
+    read_bytes = min(weight_bytes, 2 << 30)
     written = False
     with tempfile.TemporaryDirectory(prefix="dflash_scale_") as tmp:
         t0 = time.time()
@@ -526,14 +566,15 @@ def main(argv=None) -> int:
             stage.rmdir()
             print(f"wrote random {s.name} pair in {time.time() - t0:.0f} s", file=sys.stderr)
             written = True
+        n_layers = s.layers if args.target else json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
         res = measure(t_dir, d_dir, n_threads=args.threads, context=args.context, repeats=args.repeats, ks=ks,
                       precision=args.precision, kv_dtype=args.kv_dtype, draft_vocab_size=args.draft_vocab_size,
                       draft_precision=None if args.draft_precision == "target" else args.draft_precision,
-                      prefill=args.prefill)
+                      prefill=args.prefill, read_gbs=lambda: stream_read_gbs(read_bytes, args.threads),
+                      split_head=n_layers < s.layers)
         import dflash_kernels as dk
 
         res.update(tier=dk.active_tier(), precision=args.precision, kv_dtype=args.kv_dtype)
-        n_layers = s.layers if args.target else json.loads((t_dir / "config.json").read_text())["num_hidden_layers"]
         if args.prefill:  # the ceilings, measured in the same run (the best of three: noise only slows them)
             dense = dk.kernel_module("dense", "cython")
             res["peak_fma_gflops"] = max(dense.peak_gflops("fma", args.threads, 0.2) for _ in range(3))
@@ -542,16 +583,17 @@ def main(argv=None) -> int:
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
         f = s.layers / n_layers
         res["timed_layers"] = n_layers
-        res["t_ar_s"] = res["t_head_ar_s"] + f * (res["t_ar_s"] - res["t_head_ar_s"])
+        res["t_ar_timed_s"] = res["t_ar_s"]  # the timed layers' whole step, as measured
+        res["t_ar_s"] = res["t_head_ar_s"] + f * res["t_fwd_ar_s"]
         for r in res["k"].values():
-            r["t_verify_s"] = r["t_head_verify_s"] + f * (r["t_verify_s"] - r["t_head_verify_s"])
+            r["t_verify_timed_s"] = r["t_verify_s"]
+            r["t_verify_s"] = r["t_head_verify_s"] + f * r["t_fwd_verify_s"]
     if args.prefill:  # the rate from the layers timed; the time to first token at the full depth
         pf = res["prefill"]
         timed = dataclasses.replace(s, layers=n_layers) if n_layers < s.layers else s
         pf["gflops"] = prefill_flops(timed, pf["tokens"]) / pf["t_target_s"] / 1e9
         pf["ttft_s"] = (s.layers / n_layers * pf["t_target_s"] + pf["t_draft_context_s"] + pf["t_first_token_s"])
-    weight_bytes, kv_bytes = step_bytes(s, args.context)
-    gbs = stream_read_gbs(min(weight_bytes, 2 << 30), args.threads)
+    gbs = statistics.mean(res["stream_read_gbs_around_ar"])
     res.update(shape=s.name, threads=args.threads, step_weight_bytes=weight_bytes, kv_bytes=kv_bytes,
                stream_read_gbs=gbs, roofline_step_s=(weight_bytes + kv_bytes) / gbs / 1e9)
     res["ar_vs_roofline"] = res["t_ar_s"] / res["roofline_step_s"]
@@ -571,7 +613,9 @@ def main(argv=None) -> int:
     print(f"peak RSS {res['peak_rss_bytes'] / 2**30:.1f} GiB"
           + (" (includes writing the random pair in this process)" if written else ""))
     print(f"{s.name}: T_ar {res['t_ar_s'] * 1e3:.1f} ms, roofline {res['roofline_step_s'] * 1e3:.1f} ms "
-          f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s")
+          f"({res['ar_vs_roofline']:.2f}x), stream read {gbs:.1f} GB/s (mean of "
+          + " and ".join(f"{g:.1f}" for g in res["stream_read_gbs_around_ar"])
+          + " right before and after the AR timings)")
     print("| k | T_draft ms | T_verify ms | T_accept ms | verify/AR "
           "| projected (tau 6.93 at 15) | projected (measured tau) |")
     print("|---|---|---|---|---|---|---|")
