@@ -295,40 +295,28 @@ def stream_read_gbs(n_bytes: int, n_threads: int, repeats: int = 5) -> float:
     return n_bytes / statistics.median(times) / 1e9
 
 
+def _medians(calls, n):
+    """Median wall times of calls [(fn, after), ...] timed in turn, n rounds after one warm-up each;
+    after() (untimed, may be None) runs after its fn. Parts of one step timed in turn see the same
+    conditions, where this machine's memory bandwidth moves from minute to minute."""
+    for fn, after in calls:
+        fn()
+        if after:
+            after()
+    times = [[] for _ in calls]
+    for _ in range(n):
+        for (fn, after), ts in zip(calls, times, strict=True):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+            if after:
+                after()
+    return [statistics.median(ts) for ts in times]
+
+
 def _median(fn, n, after=None):
     """Median wall time of fn over n calls after one warm-up; after() (untimed) runs after each call."""
-    fn()
-    if after:
-        after()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-        if after:
-            after()
-    return statistics.median(ts)
-
-
-def _median_pair(fa, fb, n, after=None):
-    """Medians of fa's and fb's wall times over n alternating calls after one warm-up each (after()
-    runs after each fa call, untimed): two parts of one step timed under the same conditions, where
-    the machine's memory bandwidth moves from minute to minute."""
-    fa()
-    if after:
-        after()
-    fb()
-    ta, tb = [], []
-    for _ in range(n):
-        t = time.perf_counter()
-        fa()
-        ta.append(time.perf_counter() - t)
-        if after:
-            after()
-        t = time.perf_counter()
-        fb()
-        tb.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
+    return _medians([(fn, after)], n)[0]
 
 
 def _rewinder(cache, base: int):
@@ -402,8 +390,8 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     h1, _ = tgt.forward([anchor], cache, taps=False)
     rewind()
     if split_head:
-        res["t_fwd_ar_s"], res["t_head_ar_s"] = _median_pair(lambda: tgt.forward([anchor], cache, taps=False),
-                                                             lambda: tgt.greedy(h1), repeats, rewind)
+        res["t_fwd_ar_s"], res["t_head_ar_s"] = _medians(
+            [(lambda: tgt.forward([anchor], cache, taps=False), rewind), (lambda: tgt.greedy(h1), None)], repeats)
     else:
         res["t_head_ar_s"] = _median(lambda: tgt.greedy(h1), repeats)
     if read_gbs:
@@ -433,8 +421,9 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
                        "t_head_verify_s": _median(lambda h=h: tgt.greedy(h), repeats)}
         if split_head:
             r = res["k"][k]
-            r["t_fwd_verify_s"], r["t_head_verify_s"] = _median_pair(
-                lambda block=block: tgt.forward(block, cache, taps=True), lambda h=h: tgt.greedy(h), repeats, rewind)
+            r["t_fwd_verify_s"], r["t_head_verify_s"] = _medians(
+                [(lambda block=block: tgt.forward(block, cache, taps=True), rewind), (lambda h=h: tgt.greedy(h), None)],
+                repeats)
         if hybrid and rollback and k == rollback[0]:
             kept = base + rollback[1] + 1  # anchor + accepted drafts
 

@@ -41,3 +41,16 @@ def test_scale_runs_on_the_shipped_pair_with_prefill(tmp_path, capsys):
     assert pf["ttft_s"] == pytest.approx(pf["t_target_s"] + pf["t_draft_context_s"] + pf["t_first_token_s"])
     assert res["best_k_projected"]["k"] in (1, 3) and res["peak_fma_gflops"] > 0
     assert "prefill 40 tokens: time to first token" in capsys.readouterr().out
+
+
+def test_split_timing_of_a_hybrid_pair_times_the_forward_and_the_head_apart(tmp_path):
+    """The layers-scaled path (--layers) reads the forward without the LM head and the head's greedy
+    pass, timed in turn, and the streaming read around the AR timings."""
+    s = scale.HybridShape("tiny", 64, 128, 4, 2, 1, 32, 248320, lin_k_heads=2, lin_v_heads=2, lin_k_dim=16,
+                          lin_v_dim=16, draft_heads=2, draft_kv_heads=1, draft_head_dim=32)
+    t_dir, d_dir = scale.write_pair(tmp_path, s, draft_layers=2)
+    res = scale.measure(t_dir, d_dir, n_threads=1, context=16, repeats=1, ks=[3], split_head=True,
+                        read_gbs=lambda: 1.0)
+    r = res["k"][3]
+    assert res["t_fwd_ar_s"] > 0 and res["t_head_ar_s"] > 0 and r["t_fwd_verify_s"] > 0 and r["t_head_verify_s"] > 0
+    assert res["stream_read_gbs_around_ar"] == (1.0, 1.0)
