@@ -324,7 +324,8 @@ def fast_bf16() -> bool:
 @torch.no_grad()
 def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps: list[int], batch: int = 32,
                           stop_ids=(), bf16: bool = False, quiet: bool = False, sampled: float = 0.0,
-                          temperature: float = 0.7, seed: int = 0) -> dict:
+                          temperature: float = 0.7, seed: int = 0, checkpoint: Path | None = None,
+                          checkpoint_every_s: float = 600.0) -> dict:
     """The target's own continuations of ``prompts`` (lists of token ids, any lengths) and its tap
     features at every position, captured while generating (training never runs the target again).
 
@@ -336,6 +337,11 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
     "final" (N, L, H) bfloat16: the target's final-normed hidden state, whose LM-head logits are
     its distribution for the next token (the distillation targets)}; rows are left-aligned, zero past
     their length. bf16: run the target under bf16 autocast (fast where fast_bf16()).
+
+    checkpoint: a file the batches done so far are saved to, at most every checkpoint_every_s
+    seconds; a later call with the same arguments resumes from it (it holds the sampling generator's
+    state too, so the result equals an uninterrupted run's). Generating SmolLM2's 3000 sequences
+    takes most of an hour on 2 cores: an interrupted sitting keeps what it made.
     """
     if not 0.0 <= sampled <= 1.0:
         raise ValueError(f"sampled must be a fraction in [0, 1], got {sampled!r}")
@@ -354,7 +360,21 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
     final = torch.zeros(n, longest + new_tokens, H, dtype=torch.bfloat16)
     length, prompt_len = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
     stops = torch.tensor(sorted(set(stop_ids)) or [-1])
-    for i in tqdm(range(0, n, batch), desc="drafter data", disable=quiet):
+    key = [n, new_tokens, list(taps), batch, sampled, temperature, seed, sorted(set(stop_ids)),
+           sum(len(p) for p in prompts)]
+    done = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        part = torch.load(checkpoint)
+        if part.get("key") != key:
+            raise ValueError(f"{checkpoint}: partial drafter data of another run ({part.get('key')}, this one "
+                             f"{key}); delete it to start over")
+        done = part["done"]
+        tokens, feats, final, length, prompt_len = (part[k] for k in ("tokens", "feats", "final", "length",
+                                                                      "prompt_len"))
+        gen.set_state(part["rng"])
+    saved_at = time.monotonic()
+    for i in tqdm(range(done, n, batch), desc="drafter data", disable=quiet, initial=done // batch,
+                  total=-(-n // batch)):
         rows = order[i: i + batch]
         P = max(len(prompts[r]) for r in rows)
         pad = torch.tensor([P - len(prompts[r]) for r in rows])
@@ -386,6 +406,12 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
             feats[r, :valid] = ft[j, p: p + valid, :-H]
             final[r, :valid] = ft[j, p: p + valid, -H:]
             length[r], prompt_len[r] = valid, P - p
+        if checkpoint is not None and i + batch < n and time.monotonic() - saved_at >= checkpoint_every_s:
+            tmp = Path(checkpoint).with_suffix(".tmp")
+            torch.save({"key": key, "done": i + batch, "tokens": tokens, "feats": feats, "final": final,
+                        "length": length, "prompt_len": prompt_len, "rng": gen.get_state()}, tmp)
+            tmp.replace(checkpoint)  # whole or not at all: an interrupted save leaves the last one
+            saved_at = time.monotonic()
     return {"tokens": tokens, "length": length, "prompt_len": prompt_len, "sampled": is_sampled, "feats": feats,
             "final": final}
 
@@ -497,10 +523,13 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         eos = eos if isinstance(eos, int) else tcfg.get("bos_token_id", 0)
         ids = _drafter_prompts(tok, template, prompts, n_sequences, prompt_len, eos, seed)
         stops = (eos,) if prompts == "chat" else ()
+        partial = out / "drafter_data.partial.pt"
         data = generate_drafter_data(target, ids, new_tokens, taps, batch=64, stop_ids=stops, bf16=bf16,
-                                     quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed)
+                                     quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed,
+                                     checkpoint=partial)
         data.update(taps=taps, sampled_fraction=sampled, sample_temperature=sample_temperature)
         torch.save(data, data_path)
+        partial.unlink(missing_ok=True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
     step = _resume(state_path, log_path, drafter, opt) if resume else 0

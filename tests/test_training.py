@@ -230,3 +230,38 @@ def test_drafter_distills_from_the_target_distribution(tiny_pair, tmp_path):
         T.train_drafter(tmp_path / "kd", out / "target", distill=0.5, sampled=0.0, **kw)
     with pytest.raises(ValueError, match="distill"):
         T.train_drafter(tmp_path / "kd2", out / "target", distill=1.5, **kw)
+
+
+def test_drafter_data_resumes_from_its_checkpoint_as_if_never_interrupted(tiny_pair, tmp_path):
+    out, _, _ = tiny_pair
+    target = T.load_torch_target(out / "target")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (4, 7, 5, 9, 6, 8)]
+    kw = dict(batch=2, quiet=True, sampled=0.5, temperature=1.5, seed=4)
+    whole = T.generate_drafter_data(target, prompts, 8, [0, 2], **kw)
+
+    class Counted:  # the target, counting batches (prompt forwards); stopped at stop_at (Ctrl-C)
+        cfg = target.cfg
+
+        def __init__(self, stop_at=None):
+            self.prefills, self.stop_at = 0, stop_at
+
+        def __call__(self, x, cache=None, **a):
+            if cache is None:
+                self.prefills += 1
+                if self.prefills == self.stop_at:
+                    raise KeyboardInterrupt
+            return target(x, cache=cache, **a)
+
+    ckpt = tmp_path / "partial.pt"
+    with pytest.raises(KeyboardInterrupt):
+        T.generate_drafter_data(Counted(stop_at=3), prompts, 8, [0, 2], checkpoint=ckpt, checkpoint_every_s=0.0, **kw)
+    assert torch.load(ckpt)["done"] == 4
+    counted = Counted()
+    resumed = T.generate_drafter_data(counted, prompts, 8, [0, 2], checkpoint=ckpt, **kw)
+    assert counted.prefills == 1  # only the batch that was not done
+    for k in ("tokens", "length", "prompt_len", "sampled"):
+        assert torch.equal(resumed[k], whole[k]), k
+    torch.testing.assert_close(resumed["feats"].float(), whole["feats"].float())
+    with pytest.raises(ValueError, match="another run"):  # other settings never mix with a partial file
+        T.generate_drafter_data(target, prompts, 9, [0, 2], checkpoint=ckpt, **kw)
