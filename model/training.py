@@ -161,6 +161,8 @@ def save_loss_plot(log_path: Path, png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if not Path(log_path).exists():  # no step run (steps=0: an evaluation of the starting weights)
+        return False
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     if not rows:
         return False

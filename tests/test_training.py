@@ -119,6 +119,9 @@ def test_drafter_fine_tunes_from_checkpoint_with_chosen_taps(tiny_pair, tmp_path
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert tuned["taps"] == json.loads((out / "drafter" / "config.json").read_text())["dflash_config"][
         "target_layer_ids"]
+    # no steps: an evaluation of the starting weights (no log, no loss plot)
+    start = T.train_drafter(tmp_path / "eval", out / "target", init_from=out / "drafter", **{**kw, "steps": 0})
+    assert start["steps"] == 0 and np.isfinite(start["eval_loss"])
     chosen = T.train_drafter(tmp_path / "taps", out / "target", taps=[0, 3], **kw)
     assert chosen["taps"] == [0, 3]
     cfg = json.loads((tmp_path / "taps" / "config.json").read_text())
