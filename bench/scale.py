@@ -353,8 +353,9 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
     memory bandwidth of a shared machine moves within minutes (33-63 GB/s on one Zen 4), so a read
     measured at another moment puts T_ar anywhere from 0.5x to 2x its roofline. split_head: also
     time the target's forward without the LM head's greedy pass, alternating with that pass
-    (t_fwd_*_s, t_head_*_s), for scaling the layers' time (main --layers): a difference of two
-    separately timed medians, scaled 8x, turned the bandwidth's drift into T_ar of 0.58x its roofline."""
+    (t_fwd_*_s, t_head_*_s; the step is their sum), for scaling the layers' time (main --layers): a
+    difference of two separately timed medians, scaled 8x, turned the bandwidth's drift into T_ar of
+    0.58x its roofline."""
     from dflash_kernels.model import load
 
     # packed weights (fuse_weights): the layout a model that fits in memory runs with
@@ -384,18 +385,20 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
         tgt.greedy(h)
 
     gbs_before = read_gbs() if read_gbs else None
-    res.update(t_ar_s=_median(ar_step, repeats, rewind), k={}, draft_precision=dr.ops.precision,
-               draft_vocab=None if dr.draft_ids is None else len(dr.draft_ids))
     # the LM head's share (greedy pass over the vocabulary), kept apart when layers are scaled (main)
     h1, _ = tgt.forward([anchor], cache, taps=False)
     rewind()
-    if split_head:
+    if split_head:  # the step in its two parts, timed in turn; the whole step is their sum
         res["t_fwd_ar_s"], res["t_head_ar_s"] = _medians(
             [(lambda: tgt.forward([anchor], cache, taps=False), rewind), (lambda: tgt.greedy(h1), None)], repeats)
+        t_ar = res["t_fwd_ar_s"] + res["t_head_ar_s"]
     else:
+        t_ar = _median(ar_step, repeats, rewind)
         res["t_head_ar_s"] = _median(lambda: tgt.greedy(h1), repeats)
     if read_gbs:
         res["stream_read_gbs_around_ar"] = (gbs_before, read_gbs())
+    res.update(t_ar_s=t_ar, k={}, draft_precision=dr.ops.precision,
+               draft_vocab=None if dr.draft_ids is None else len(dr.draft_ids))
     for k in ks:
         drafts = dr.draft(anchor, k, ctx)
         block = np.concatenate([[anchor], drafts]).astype(np.int64)
@@ -416,14 +419,16 @@ def measure(target_dir, drafter_dir, *, n_threads, context=256, repeats=7, ks=ra
             dr.add_context(vt[: int(np.asarray(n_acc)[0]) + 1], ctx)
             ctx.length = n_ctx
 
-        res["k"][k] = {"t_draft_s": _median(lambda k=k: dr.draft(anchor, k, ctx), repeats),
-                       "t_verify_s": _median(verify, repeats, rewind), "t_accept_s": _median(accept, repeats, rewind),
-                       "t_head_verify_s": _median(lambda h=h: tgt.greedy(h), repeats)}
+        r = res["k"][k] = {"t_draft_s": _median(lambda k=k: dr.draft(anchor, k, ctx), repeats),
+                           "t_accept_s": _median(accept, repeats, rewind)}
         if split_head:
-            r = res["k"][k]
             r["t_fwd_verify_s"], r["t_head_verify_s"] = _medians(
                 [(lambda block=block: tgt.forward(block, cache, taps=True), rewind), (lambda h=h: tgt.greedy(h), None)],
                 repeats)
+            r["t_verify_s"] = r["t_fwd_verify_s"] + r["t_head_verify_s"]
+        else:
+            r["t_verify_s"] = _median(verify, repeats, rewind)
+            r["t_head_verify_s"] = _median(lambda h=h: tgt.greedy(h), repeats)
         if hybrid and rollback and k == rollback[0]:
             kept = base + rollback[1] + 1  # anchor + accepted drafts
 
@@ -572,7 +577,7 @@ def main(argv=None) -> int:
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
         f = s.layers / n_layers
         res["timed_layers"] = n_layers
-        res["t_ar_timed_s"] = res["t_ar_s"]  # the timed layers' whole step, as measured
+        res["t_ar_timed_s"] = res["t_ar_s"]  # the timed layers' step (forward + head)
         res["t_ar_s"] = res["t_head_ar_s"] + f * res["t_fwd_ar_s"]
         for r in res["k"].values():
             r["t_verify_timed_s"] = r["t_verify_s"]
