@@ -573,6 +573,7 @@ def main(argv=None) -> int:
             dense = dk.kernel_module("dense", "cython")
             res["peak_fma_gflops"] = max(dense.peak_gflops("fma", args.threads, 0.2) for _ in range(3))
             res["peak_bf16dot_gflops"] = max(dense.peak_gflops("bf16dot", args.threads, 0.2) for _ in range(3))
+            res["peak_amx_gflops"] = max(dense.peak_gflops("amx", args.threads, 0.2) for _ in range(3))
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n_layers < s.layers:  # layers timed at full width, scaled to the full depth; LM head as is
         f = s.layers / n_layers
@@ -635,6 +636,9 @@ def main(argv=None) -> int:
         if res["peak_bf16dot_gflops"]:
             peaks += (f"; vdpbf16ps peak {res['peak_bf16dot_gflops']:.0f} GFLOP/s: "
                       f"{100 * pf['gflops'] / res['peak_bf16dot_gflops']:.0f}%")
+        if res.get("peak_amx_gflops"):
+            peaks += (f"; AMX peak {res['peak_amx_gflops']:.0f} GFLOP/s: "
+                      f"{100 * pf['gflops'] / res['peak_amx_gflops']:.0f}%")
         print(f"prefill {pf['tokens']} tokens: time to first token {pf['ttft_s'] * 1e3:.0f} ms (target forward "
               f"{pf['t_target_s'] * 1e3:.0f} ms over {n_layers} layers, drafter context "
               f"{pf['t_draft_context_s'] * 1e3:.0f} ms, first greedy pass {pf['t_first_token_s'] * 1e3:.0f} ms); "

@@ -74,6 +74,7 @@ cdef extern from "dk_amx.h" nogil:
     int dk_amx_ready()
     void dk_amx_begin()
     void dk_amx_end()
+    float dk_peak_amx(long iters)
     long dk_amx_xsize(long M, long K, int parts)
     int dk_amx_pack_block(long mb, long M, long K, const float *x, long ldx, int parts, unsigned short *xb)
     long dk_amx_head(const unsigned short *w)
@@ -203,22 +204,27 @@ def last_path():
 
 
 def peak_gflops(kind="fma", int n_threads=1, double seconds=0.2):
-    """GFLOP/s of a register-only loop on this tier: "fma" (DK_VW-float FMAs) or "bf16dot"
-    (vdpbf16ps; 0 where the tier lacks it), run on n_threads threads at once. The ceiling that
-    benchmarks quote next to the kernels' rates."""
+    """GFLOP/s of a register-only loop on this tier: "fma" (DK_VW-float FMAs), "bf16dot"
+    (vdpbf16ps) or "amx" (TDPBF16PS tiles), run on n_threads threads at once; 0 where the tier or
+    the CPU lacks the instruction. The ceiling that benchmarks quote next to the kernels' rates."""
     from time import perf_counter
     cdef long iters = 1 << 16, t
-    cdef int dp = kind == "bf16dot"
-    cdef double flops_per_iter = 64.0 * 12 if dp else 2.0 * DK_VW * 12, elapsed = 0.0
+    cdef int dp = kind == "bf16dot", amx = kind == "amx"
+    cdef double flops_per_iter = 4 * 2.0 * 16 * 16 * 32 if amx else (64.0 * 12 if dp else 2.0 * DK_VW * 12)
+    cdef double elapsed = 0.0
     cdef float sink = 0.0  # the loops' results are used, so the compiler keeps them
-    if kind not in ("fma", "bf16dot"):
-        raise ValueError(f"kind must be 'fma' or 'bf16dot', got {kind!r}")
-    if dp and not DK_DP_BUILT:
+    if kind not in ("fma", "bf16dot", "amx"):
+        raise ValueError(f"kind must be 'fma', 'bf16dot' or 'amx', got {kind!r}")
+    if (dp and not DK_DP_BUILT) or (amx and not amx_available()):
         return 0.0
+    if amx:
+        iters = 1 << 10
     while True:
         start = perf_counter()
         for t in prange(n_threads, nogil=True, num_threads=n_threads, schedule="static"):
-            if dp:
+            if amx:
+                sink += dk_peak_amx(iters)
+            elif dp:
                 sink += dk_peak_dp(iters)
             else:
                 sink += dk_peak_fma(iters)

@@ -72,11 +72,28 @@ static void dk_amx_begin(void) { _tile_loadconfig(&dk_amx_cfg); }
 
 static void dk_amx_end(void) { _tile_release(); }
 
+/* Register-only TDPBF16PS loop (the AMX ceiling that benchmarks quote): four accumulators, two A
+   and two B tiles loaded once, iters x 4 products of 16 x 16 x 32. The caller has dk_amx_ready(). */
+static float dk_peak_amx(long iters) {
+    float zeros[256] __attribute__((aligned(64))) = {0}, out[256] __attribute__((aligned(64)));
+    dk_amx_begin();
+    _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64); _tile_loadd(6, zeros, 64); _tile_loadd(7, zeros, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (long it = 0; it < iters; it++) {
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    dk_amx_end();
+    return out[0];
+}
+
 #else
 #define DK_AMX_BUILT 0
 static int dk_amx_ready(void) { return 0; }
 static void dk_amx_begin(void) {}
 static void dk_amx_end(void) {}
+static float dk_peak_amx(long iters) { (void)iters; return 0.0f; }
 #endif
 
 /* Size in uint16 of the packed activations for M rows, K (a multiple of DK_AMX_KB), `parts` parts. */

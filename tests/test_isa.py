@@ -73,6 +73,21 @@ def test_set_isa_selects_the_tier_module(tier):
         dk.set_isa(None)
 
 
+@pytest.mark.parametrize("tier", MACHINE_TIERS)
+def test_peak_rates_follow_the_tier(tier):
+    """The register-only ceilings: each instruction's loop runs only where the tier and the CPU have it."""
+    try:
+        dk.set_isa(tier)
+        dense = dk.kernel_module("dense", "cython")
+        assert dense.peak_gflops("fma", 1, 0.01) > 0
+        assert (dense.peak_gflops("bf16dot", 1, 0.01) > 0) == (tier in ("avx512_bf16", "amx"))
+        assert (dense.peak_gflops("amx", 1, 0.01) > 0) == (tier == "amx" and dense.amx_available())
+        with pytest.raises(ValueError, match="kind must be 'fma', 'bf16dot' or 'amx', got 'avx'"):
+            dense.peak_gflops("avx")
+    finally:
+        dk.set_isa(None)
+
+
 # What a tier's compiled code must not contain: a register or instruction of a higher tier.
 FORBIDDEN = {"avx2": ("zmm", "vdpbf16ps", "tdpbf16ps"), "avx512": ("vdpbf16ps", "tdpbf16ps"),
              "avx512_bf16": ("tdpbf16ps", "ldtilecfg")}
