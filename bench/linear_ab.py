@@ -9,6 +9,8 @@ Build the other version in a worktree (DFLASH_TIERS=<tier> setup.py build_ext --
 The two modules' linear_packed run alternately, round by round, over the same packed weights (Qwen3
 projection shapes and a Qwen3-1.7B LM head) and their outputs are compared bit for bit; "this" is
 the module of the active tier in this checkout (cap it with DFLASH_ISA to match the other build).
+--torch adds torch's F.linear on the same weights (bf16 below "highest", fp32 for "highest") as a
+third contender, and each row gives this build's rate against the path's register-only peak.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=16, help="M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--torch", action="store_true", help="also time torch F.linear on the same weights")
     args = ap.parse_args(argv)
 
     import dflash_kernels as dk
@@ -55,19 +58,36 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     path = this.packed_path_name(m, True, parts)
     print(f"tier {this.TIER}, {args.precision}, M = {m}, {args.threads} threads, path {path}")
-    print("| shape (N x K) | other (ms) | this (ms) | this / other |")
-    print("|---|---|---|---|")
+    peak = this.peak_gflops("amx" if ":amx" in path else "bf16dot" if "bf16dot" in path else "fma", args.threads)
+    extra = " torch (ms) | torch / this | this GFLOP/s (% of peak) |" if args.torch else ""
+    print("| shape (N x K) | other (ms) | this (ms) | this / other |" + extra)
+    print("|---|---|---|---|" + ("---|---|---|" if args.torch else ""))
+    if args.torch:
+        import torch
+
+        torch.set_num_threads(args.threads)
     for label, n, k in [*BLOCK_SHAPES, LM_HEAD]:
-        packed = dk.pack_weight(rng.integers(0x3C00, 0x3C80, size=(n, k), dtype=np.uint16))
+        bits = rng.integers(0x3C00, 0x3C80, size=(n, k), dtype=np.uint16)
+        packed = dk.pack_weight(bits)
         x = rng.standard_normal((m, k)).astype(np.float32)
         outs = {"other": np.empty((m, n), np.float32), "this": np.empty((m, n), np.float32)}
         fns = {key: (lambda mod=mod, o=outs[key], x=x, w=packed.data:
                      mod.linear_packed(x, w, None, o, n_threads=args.threads, parts=parts))
                for key, mod in (("other", other), ("this", this))}
+        if args.torch:  # what an engine on torch computes: bf16 x bf16 below "highest", else fp32
+            dtype = torch.float32 if args.precision == "highest" else torch.bfloat16
+            wt = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(dtype)
+            xt = torch.from_numpy(x).to(dtype)
+            fns["torch"] = lambda xt=xt, wt=wt: torch.nn.functional.linear(xt, wt)
         med = _median_interleaved(fns, args.rounds)
         a, b = (med[key] * 1e3 for key in ("other", "this"))
         same = "" if np.array_equal(outs["other"], outs["this"]) else " (outputs differ)"
-        print(f"| {label} ({n} x {k}) | {a:.3f} | {b:.3f} | {b / a:.3f}{same} |", flush=True)
+        row = f"| {label} ({n} x {k}) | {a:.3f} | {b:.3f} | {b / a:.3f}{same} |"
+        if args.torch:
+            gf = 2.0 * m * n * k / med["this"] / 1e9
+            row += (f" {med['torch'] * 1e3:.3f} | {med['torch'] / med['this']:.2f}x | "
+                    f"{gf:.0f} ({100 * gf / peak:.0f}%) |")
+        print(row, flush=True)
     return 0
 
 
