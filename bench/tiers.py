@@ -139,7 +139,8 @@ def _table(r: dict) -> str:
     peak = r["peak_fma"]
     lines = [f"### Tier `{r['tier']}` ({r['cpu']}, {r['threads']} threads)", "",
              f"Register-only peaks: FMA {peak:.0f} GFLOP/s, vdpbf16ps {r['peak_bf16dot']:.0f} GFLOP/s, "
-             f"AMX {r.get('peak_amx', 0):.0f} GFLOP/s (bf16dot path {'taken' if r['bf16dot_taken'] else 'not taken: FMA is faster here'}).", ""]
+             f"AMX {r.get('peak_amx', 0):.0f} GFLOP/s "
+             f"(bf16dot path {'taken' if r['bf16dot_taken'] else 'not taken: FMA is faster here'}).", ""]
     if "linear16" in r:
         lines += _linear_lines(r, peak)
     lines += ["| attention 16 q x 4096 keys, 32/8 x 128 | ours highest / medium (ms) | SDPA (ms) | "

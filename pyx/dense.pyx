@@ -64,7 +64,7 @@ cdef extern from "dk_packed.h" nogil:
     long dk_pk_amx_rows(long M)
     int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, long ldx, int parts,
                         int tiled, unsigned short *xb)
-    void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const unsigned short *xb,
+    void dk_pk_amx_run(long M, long K, long N, long plo, long phi, int parts, const unsigned short *xb,
                    const unsigned short *P, const float *bias, float *out)
     void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, const unsigned short *xb,
                      const unsigned short *P, const float *bias, float *out)
@@ -402,15 +402,16 @@ cdef unsigned short *_split_x(const float *xp, Py_ssize_t M, Py_ssize_t K, int p
 cdef int _linear_packed_amx(const float *xp, const unsigned short *P, const float *bp, float *op,
                             Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int parts, int nt) except -1:
     """amx-packed path (dk_packed.h); returns 0 (nothing done) when x holds inf / NaN."""
-    cdef Py_ssize_t g, npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS, nitems = (npanels + 1) // 2
+    cdef Py_ssize_t t, npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS, npairs = (npanels + 1) // 2
+    cdef int nth = min(nt, npairs)
     cdef unsigned short *xb = _split_x(xp, M, K, parts, 1, nt)
     if xb == NULL:
         return 0
-    with nogil, parallel(num_threads=min(nt, nitems)):
+    # a contiguous run of panel pairs per thread, each panel one stream
+    for t in prange(nth, nogil=True, num_threads=nth, schedule="static"):
         dk_amx_begin()
-        # static: a contiguous run of panels per thread, each panel one stream
-        for g in prange(nitems, schedule="static"):
-            dk_pk_amx(M, K, N, 2 * g, min(<Py_ssize_t> 2, npanels - 2 * g), parts, xb, P, bp, op)
+        dk_pk_amx_run(M, K, N, 2 * (npairs * t // nth), min(npanels, 2 * (npairs * (t + 1) // nth)), parts, xb,
+                      P, bp, op)
         dk_amx_end()
     free(xb)
     return 1

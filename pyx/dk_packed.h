@@ -396,25 +396,55 @@ static int dk_pk_amx_split(long m0, long m1, long M, long K, const float *x, lon
 #endif
 
 #if DK_AMX_BUILT
-/* out[:, 16 p0 : 16 (p0 + np)] (clipped to N) for panels p0, p0 + 1 (np = 2) or p0 alone (np = 1) */
-DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int np, const uint16_t *xb,
-                           const uint16_t *P, const float *bias, float *out) {
+/* C tile t (16 x 16 fp32: rows m0.., columns c0..) into out, clipped to M x N, plus bias */
+DK_AI_AMX void dk_pk_amx_store(const int t, long M, long N, long m0, long c0, const float *bias, float *out) {
+    float tmp[256] __attribute__((aligned(64)));
+    long rows = M - m0 < 16 ? M - m0 : 16, cols = N - c0 < DK_PK_COLS ? N - c0 : DK_PK_COLS;
+    float *o = out + m0 * N + c0;
+    if (rows <= 0 || cols <= 0) return;
+    int direct = rows == 16 && cols == 16;  /* straight into out */
+    float *dst = direct ? o : tmp;
+    long ld = direct ? N * 4 : 64;
+    switch (t) {  /* a tile number is an immediate: the switch folds once inlined */
+    case 0: _tile_stored(0, dst, ld); break;
+    case 1: _tile_stored(1, dst, ld); break;
+    case 2: _tile_stored(2, dst, ld); break;
+    default: _tile_stored(3, dst, ld); break;
+    }
+    if (direct) {
+        if (bias)
+            for (long i = 0; i < 16; i++)
+                for (long j = 0; j < 16; j++) o[i * N + j] += bias[c0 + j];
+        return;
+    }
+    for (long i = 0; i < rows; i++)
+        for (long j = 0; j < cols; j++) {
+            float v = tmp[i * 16 + j];
+            o[i * N + j] = bias ? v + bias[c0 + j] : v;
+        }
+}
+
+/* The B tiles DK_PK_AMX_PF steps ahead, into L2: two sequential streams alone left the tile loads
+   waiting on L3 (the row-major path's 16 strided rows keep more lines in flight) */
+DK_AI_AMX void dk_pk_amx_prefetch(const uint16_t *b0, const uint16_t *b1, long s, int np) {
+    for (int l = 0; l < 16; l++) {
+        __builtin_prefetch(b0 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
+        if (np > 1) __builtin_prefetch(b1 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
+    }
+}
+
+/* out[m0 : m1, 16 p0 : 16 (p0 + np)] (clipped to N) for panels p0, p0 + 1 (np = 2) or p0 alone
+   (np = 1), one m block of 16 rows at a time; pf: prefetch the panels in the first block */
+DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long m0, long m1, long p0, int np,
+                           int pf, const uint16_t *xb, const uint16_t *P, const float *bias, float *out) {
     const long kp = dk_pk_kpad(K), nsteps = kp / 32, pstride = dk_pk_panel_elems(K, 1);
     const uint16_t *b0 = P + p0 * pstride, *b1 = b0 + pstride;
-    float tmp[256] __attribute__((aligned(64)));
-    for (long m0 = 0; m0 < M; m0 += 16) {
+    for (; m0 < m1; m0 += 16, pf = 0) {
         const uint16_t *a = xb + m0 / 16 * nsteps * parts * 512;  /* this m block's tiles */
         _tile_zero(0);
         _tile_zero(1);
         for (long s = 0; s < nsteps; s++, a += parts * 512) {
-            /* the B tiles DK_PK_AMX_PF steps ahead, into L2: two sequential streams alone left the
-               tile loads waiting on L3 (the row-major path's 16 strided rows keep more lines in
-               flight) */
-            if (m0 == 0)
-                for (int l = 0; l < 16; l++) {
-                    __builtin_prefetch(b0 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
-                    if (np > 1) __builtin_prefetch(b1 + (s + DK_PK_AMX_PF) * 512 + l * 32, 0, 2);
-                }
+            if (pf) dk_pk_amx_prefetch(b0, b1, s, np);
             _tile_loadd(2, b0 + s * 512, 64);
             if (np > 1) _tile_loadd(3, b1 + s * 512, 64);
             _tile_loadd(4, a, 64);
@@ -425,37 +455,98 @@ DK_AI_AMX void dk_pk_amx_p(const int parts, long M, long K, long N, long p0, int
             if (parts > 1) { _tile_dpbf16ps(0, 5, 2); if (np > 1) _tile_dpbf16ps(1, 5, 3); }
             if (parts > 2) { _tile_dpbf16ps(0, 6, 2); if (np > 1) _tile_dpbf16ps(1, 6, 3); }
         }
-        long rows = M - m0 < 16 ? M - m0 : 16;
-        for (int t = 0; t < np; t++) {
-            long c0 = (p0 + t) * DK_PK_COLS, cols = N - c0 < DK_PK_COLS ? N - c0 : DK_PK_COLS;
-            float *o = out + m0 * N + c0;
-            if (rows == 16 && cols == 16) {  /* straight into out */
-                if (t == 0) _tile_stored(0, o, N * 4); else _tile_stored(1, o, N * 4);
-                if (bias)
-                    for (long i = 0; i < 16; i++)
-                        for (long j = 0; j < 16; j++) o[i * N + j] += bias[c0 + j];
-            } else {
-                if (t == 0) _tile_stored(0, tmp, 64); else _tile_stored(1, tmp, 64);
-                for (long i = 0; i < rows; i++)
-                    for (long j = 0; j < cols; j++) {
-                        float v = tmp[i * 16 + j];
-                        o[i * N + j] = bias ? v + bias[c0 + j] : v;
-                    }
-            }
-        }
+        dk_pk_amx_store(0, M, N, m0, p0 * DK_PK_COLS, bias, out);
+        if (np > 1) dk_pk_amx_store(1, M, N, m0, (p0 + 1) * DK_PK_COLS, bias, out);
     }
 }
-/* parts as a compile-time constant in each copy */
-static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const uint16_t *xb,
-                      const uint16_t *P, const float *bias, float *out) {
-    if (parts == 1) dk_pk_amx_p(1, M, K, N, p0, np, xb, P, bias, out);
-    else if (parts == 2) dk_pk_amx_p(2, M, K, N, p0, np, xb, P, bias, out);
-    else dk_pk_amx_p(3, M, K, N, p0, np, xb, P, bias, out);
+
+/* Two m blocks x two panels (rows m0 .. m0 + 31, panels p0, p0 + 1), K steps [s0, s1): C tiles 0-3,
+   A tiles 4-5 (one part of each block at a time), B tiles 6-7. Each loaded tile serves two
+   products, where the one-block kernel above loads a B tile per product. The C tiles start from
+   zero at s0 = 0, else from c (4 x 256 floats: the sums so far), and go back to c, or to out
+   (clipped, plus the bias) after the last step: exact fp32 round trips, and the parts run in the
+   same order per step as above, so the sums are bit-identical to the one-block kernel's. */
+DK_AI_AMX void dk_pk_amx_2x2(const int parts, long M, long K, long N, long m0, long p0, long s0, long s1,
+                             const uint16_t *xb, const uint16_t *P, const float *bias, float *out, float *c) {
+    const long kp = dk_pk_kpad(K), nsteps = kp / 32, pstride = dk_pk_panel_elems(K, 1);
+    const uint16_t *b0 = P + p0 * pstride, *b1 = b0 + pstride;
+    const uint16_t *a0 = xb + (m0 / 16 * nsteps + s0) * parts * 512, *a1 = a0 + nsteps * parts * 512;
+    if (s0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+    else {
+        _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64);
+        _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64);
+    }
+    for (long s = s0; s < s1; s++, a0 += parts * 512, a1 += parts * 512) {
+        if (m0 == 0) dk_pk_amx_prefetch(b0, b1, s, 2);
+        _tile_loadd(6, b0 + s * 512, 64);
+        _tile_loadd(7, b1 + s * 512, 64);
+        for (int q = 0; q < parts; q++) {
+            _tile_loadd(4, a0 + q * 512, 64);
+            _tile_loadd(5, a1 + q * 512, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (s1 < nsteps) {
+        _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
+        _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+        return;
+    }
+    dk_pk_amx_store(0, M, N, m0, p0 * DK_PK_COLS, bias, out);
+    dk_pk_amx_store(1, M, N, m0, (p0 + 1) * DK_PK_COLS, bias, out);
+    dk_pk_amx_store(2, M, N, m0 + 16, p0 * DK_PK_COLS, bias, out);
+    dk_pk_amx_store(3, M, N, m0 + 16, (p0 + 1) * DK_PK_COLS, bias, out);
+}
+
+#ifndef DK_PK_AMX_GROUP
+#define DK_PK_AMX_GROUP 8  /* pairs of panels per group on the 2 x 2 kernel */
+#endif
+#ifndef DK_PK_AMX_ABYTES
+#define DK_PK_AMX_ABYTES (512L << 10)  /* activation tiles per K chunk, all rows: stay in L2 */
+#endif
+
+/* Panels [plo, phi) (plo even: pairs as every thread split pairs them), all M rows.
+   Rows 0 .. 32 (M / 32) - 1 run on the 2 x 2 kernel by groups of DK_PK_AMX_GROUP pairs of panels and,
+   within a group, K chunk by K chunk: a chunk's activation tiles (all rows, DK_PK_AMX_ABYTES) serve
+   every pair of the group from L2, a pair's chunk of B every pair of m blocks from L1, and the
+   group's partial sums (cacc, GROUP x M / 32 x 4 KiB) stay in L2. Tiles from L3 run at a quarter of
+   the AMX peak on this class (one pass over K per pair of panels read the activations from L3 for
+   every pair: about 20% of the peak at M = 512); tiles from L2 at 75-100% (session 18). The rest
+   (an odd last m block, a last pair that is a single panel) on the one-block kernel. */
+DK_AI_AMX void dk_pk_amx_run_p(const int parts, long M, long K, long N, long plo, long phi, const uint16_t *xb,
+                               const uint16_t *P, const float *bias, float *out) {
+    const long nsteps = dk_pk_kpad(K) / 32, mpairs = M / 32, pfull = plo + (phi - plo) / 2 * 2;
+    long ks = DK_PK_AMX_ABYTES / (M * 64 * parts);
+    ks = ks < 4 ? 4 : ks > nsteps ? nsteps : ks;
+    float *cacc = mpairs ? (float *)aligned_alloc(64, DK_PK_AMX_GROUP * mpairs * 1024 * sizeof(float)) : NULL;
+    if (cacc)
+        for (long g0 = plo; g0 < pfull; g0 += 2 * DK_PK_AMX_GROUP) {
+            long g1 = pfull - g0 < 2 * DK_PK_AMX_GROUP ? pfull : g0 + 2 * DK_PK_AMX_GROUP;
+            for (long s0 = 0; s0 < nsteps; s0 += ks)
+                for (long p = g0; p < g1; p += 2)
+                    for (long i = 0; i < mpairs; i++)
+                        dk_pk_amx_2x2(parts, M, K, N, 32 * i, p, s0, s0 + ks < nsteps ? s0 + ks : nsteps, xb, P,
+                                      bias, out, cacc + ((p - g0) / 2 * mpairs + i) * 1024);
+        }
+    for (long p = plo; p < phi; p += 2) {
+        int np = phi - p < 2 ? 1 : 2;
+        long m0 = cacc && p < pfull ? 32 * mpairs : 0;
+        if (m0 < M) dk_pk_amx_p(parts, M, K, N, m0, M, p, np, m0 == 0, xb, P, bias, out);
+    }
+    free(cacc);
+}
+
+/* parts as a compile-time constant in each copy; the caller has run dk_amx_begin on this thread */
+static void dk_pk_amx_run(long M, long K, long N, long plo, long phi, int parts, const uint16_t *xb,
+                          const uint16_t *P, const float *bias, float *out) {
+    if (parts == 1) dk_pk_amx_run_p(1, M, K, N, plo, phi, xb, P, bias, out);
+    else if (parts == 2) dk_pk_amx_run_p(2, M, K, N, plo, phi, xb, P, bias, out);
+    else dk_pk_amx_run_p(3, M, K, N, plo, phi, xb, P, bias, out);
 }
 #else
-static void dk_pk_amx(long M, long K, long N, long p0, int np, int parts, const uint16_t *xb,
-                      const uint16_t *P, const float *bias, float *out) {
-    (void)M; (void)K; (void)N; (void)p0; (void)np; (void)parts; (void)xb; (void)P; (void)bias; (void)out;
+static void dk_pk_amx_run(long M, long K, long N, long plo, long phi, int parts, const uint16_t *xb,
+                          const uint16_t *P, const float *bias, float *out) {
+    (void)M; (void)K; (void)N; (void)plo; (void)phi; (void)parts; (void)xb; (void)P; (void)bias; (void)out;
 }
 #endif
 

@@ -65,7 +65,9 @@ def test_linear_packed_matches_reference(m, n, k, dtype, with_bias, seed):
 
 @pytest.mark.parametrize("tier", MACHINE_TIERS)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("m,n,k", [(1, 70, 256), (8, 48, 2), (16, 200, 513), (17, 97, 96), (40, 33, 1000)])
+# (96, 70, 4100): on AMX three pairs of m blocks in several K chunks, and a last single panel
+@pytest.mark.parametrize("m,n,k", [(1, 70, 256), (8, 48, 2), (16, 200, 513), (17, 97, 96), (40, 33, 1000),
+                                   (96, 70, 4100)])
 def test_linear_packed_every_tier_and_precision(tier, precision, m, n, k):
     # on the rounded activations only fp32 summation is left, as for the row-major paths
     rng = np.random.default_rng(m * n + k)
@@ -106,6 +108,22 @@ def test_amx_packed_equals_fma_packed_up_to_summation_order():
         finally:
             cdense.set_amx_enabled(old)
         assert_close(amx, fma, **TOLERANCE_LONG, what=f"amx vs fma packed, {precision}")
+
+
+def test_amx_packed_rows_do_not_depend_on_m():
+    # prefill-sized blocks run on 2 x 2 tiles in K chunks, a verification block on one m block in
+    # one pass: the same products in the same order per step, so the same bits for a row either way
+    cdense = dk.kernel_module("dense", "cython")
+    if not cdense.amx_available():
+        pytest.skip("no AMX on this CPU: the amx-packed path cannot run here")
+    x, w, b = _case(6, 97, 70, 4100, "bfloat16")
+    p = dk.pack_weight(w)
+    for precision in PRECISIONS:
+        full = dk.linear(x, p, b, precision=precision, backend="cython")
+        for lo, hi in ((0, 16), (40, 56), (81, 97)):
+            part = dk.linear(x[lo:hi], p, b, precision=precision, backend="cython")
+            assert cdense.last_path() == "amx:amx-packed"
+            assert np.array_equal(part, full[lo:hi]), f"rows {lo}:{hi}, {precision}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
