@@ -18,7 +18,6 @@ for them short of upcasting the whole matrix.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from functools import cache
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from . import _isa
-from ._env import settings_changed
+from ._env import settings_changed, user_cache_dir
 
 M_BUCKETS = (1, 4, 16, 64, 256)  # rows are bucketed: the smallest bucket >= M (the last above it)
 MARGIN = 1.05                    # torch must win by more than this to be delegated to
@@ -42,8 +41,7 @@ def m_bucket(m: int) -> int:
 
 
 def cache_file() -> Path:
-    base = os.environ.get("DFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_kernels")
-    return Path(base) / "kernel_autotune.json"
+    return user_cache_dir() / "kernel_autotune.json"
 
 
 def machine_key(n_threads: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # CPython's os.environ stores {encoded name: encoded value} in _data, updated by every change made
@@ -49,3 +50,14 @@ def settings_changed() -> None:
     except ImportError:  # no compiled fast path: nothing is kept
         return
     changed()
+
+
+def user_cache_dir(variable: str = "DFLASH_CACHE_DIR") -> Path:
+    """This library's per-user cache directory: ``$variable`` when set, else
+    ``$XDG_CACHE_HOME/dflash_kernels``, else ``~/.cache/dflash_kernels``. Two variables can move it:
+    DFLASH_CACHE_DIR for this machine's measurements (the tuned k, the kernel autotune) and
+    DFLASH_CACHE for fetched model files, so that a test run can start from no measurements and still
+    find the fetched model."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_kernels"

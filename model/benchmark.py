@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from dflash_kernels.runtime import user_cache_dir
 
 from .metrics import aggregate
 
@@ -186,8 +187,7 @@ def plot_bench(report: dict, out: Path) -> list[Path]:
 
 # ------------------------------------------------------------------------------------------ tuning
 def tuned_path() -> Path:
-    base = os.environ.get("DFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_kernels")
-    return Path(base) / "tuned.json"
+    return user_cache_dir() / "tuned.json"
 
 
 def _tune_key(eng) -> str:

