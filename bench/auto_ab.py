@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (each prompt run seeded alike for every mode)")
     ap.add_argument("--fixed", default="", help="comma-separated fixed k to run alongside (e.g. 4,8)")
     ap.add_argument("--floor", action="store_true",
                     help='also run "auto" that never drafts (this version\'s choice replaced by 0): what '
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
             for name in names[turn:] + names[:turn]:
                 engine.AutoK = chooser.get(name, adaptive.AutoK)
                 eng.round_cost = costs[name]
-                res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=modes[name])
+                res = eng.generate(p, args.max_new_tokens, num_speculative_tokens=modes[name],
+                                   temperature=args.temperature, seed=rep * len(prompts) + i)
                 totals[name][0] += len(res.token_ids)
                 totals[name][1] += res.metrics.total_s
                 rate[name] = len(res.token_ids) / res.metrics.total_s

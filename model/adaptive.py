@@ -16,8 +16,9 @@ Both are estimated online from the rounds the engine runs anyway:
   noisy points to k = 15 at 1.4x the real cost).
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
-stretches (``AutoK``). A later request starts where the Engine's last one ended (its k, its
-probe schedule), not with the longest k again.
+stretches and long rounds out of long stretches of short ones (``AutoK``). A later request
+starts at the k the Engine's last one ended with, not with the longest k again, and probes on its
+own schedule.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ PRIOR_WEIGHT = 2.0  # pseudo-rounds behind the prior
 DECAY = 0.97  # per drafting round: about the last 30 drafting rounds carry the estimate
 PROBE_EVERY = 8  # autoregressive steps in a row before one drafting round is tried anyway
 PROBE_MAX = 128  # the interval doubles after each probe that changes nothing, up to this
+LONG_PROBE_EVERY = 12  # drafting rounds shorter than k_max in a row before one drafts k_max
+LONG_PROBE_MAX = 96  # that interval doubles after each long probe that changes nothing, up to this
 WINDOW = 8  # rounds per k behind its cost estimate
 AR_TIMINGS = 3  # autoregressive steps timed before auto weighs k against them
+DRAFT_TIMINGS = 2  # rounds of a k timed before its own cost replaces its neighbours' (RoundCost.costs)
 
 
 class AcceptanceEstimate:
@@ -96,10 +100,13 @@ class RoundCost:
     have corrected the price (bench/auto_ab.py, AMD Zen 2, session 12). The AR step is priced
     only after AR_TIMINGS steps.
 
-    A k not run yet costs the line between its nearest neighbours run, the autoregressive step
-    (k = 0) counting as one (flat above the largest k). Below the smallest k run that is
-    optimistic, since a drafting round also pays the drafter, so a short k gets tried once and then
-    costs what it measured. (Flat below the smallest k, as before, priced every k at the cost of
+    A k not run yet, or run only once while another drafting k has run twice, costs the line
+    between its nearest neighbours run (twice), the autoregressive step (k = 0) counting as one
+    (flat above the largest k). The stdlib pair on a Xeon with AMX showed why once is not enough:
+    the longest k's one timed round, in the first request, cost 1.84 ms against 1.10 ms in steady
+    state, so auto drafted k = 2-8 and never ran k = 15 again (0.77x of k = 15; session 18).
+    Below the smallest k run that is optimistic, since a drafting round also pays the drafter, so
+    a short k gets tried and then costs what it measured. (Flat below the smallest k, as before, priced every k at the cost of
     the longest one, which a request runs first: auto never tried the short k that paid. On
     SmolLM2-135M k = 2 ran 1.53x autoregressive and auto 1.02x, mostly autoregressive steps.)
     """
@@ -109,11 +116,8 @@ class RoundCost:
         self._recent = [[] for _ in range(k_max + 1)]  # the last WINDOW seconds per k
         self._costs = None  # costs()'s, until an estimate changes
         self.draft_timed = False  # a drafting round (k >= 1) timed
-        # where the Engine's last "auto" request left its choice: the next request starts there
-        # (AutoK): its k, its probe interval and its autoregressive steps since the last probe
+        # the k the Engine's last "auto" request ended with: the next request starts there (AutoK)
         self.last_k: int | None = None
-        self.probe_interval = PROBE_EVERY
-        self.ar_run = 0
 
     def observe(self, k: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or not 0 <= k < len(self.est):
@@ -123,7 +127,7 @@ class RoundCost:
         if len(recent) > WINDOW:
             del recent[0]
         low = min(recent)
-        if low != self.est[k]:
+        if low != self.est[k] or len(recent) == DRAFT_TIMINGS:  # (a k's second timing makes it count)
             self.est[k] = low
             self._costs = None
             self.draft_timed = self.draft_timed or k > 0
@@ -144,6 +148,11 @@ class RoundCost:
             return self._costs  # no estimate changed since
         est = self.est[: k_max + 1].tolist()
         seen = [k for k, e in enumerate(est) if e == e]  # 0 (the AR step) among them
+        # a drafting k timed once counts only while no drafting k has been timed twice: one round
+        # may be a cold one, and a k priced too high is never run again to correct it
+        settled = [k for k in seen if k == 0 or len(self._recent[k]) >= DRAFT_TIMINGS]
+        if len(settled) > 1:
+            seen = settled
         out, j = [], 0
         for k in range(k_max + 1):
             while j + 1 < len(seen) and seen[j + 1] <= k:
@@ -167,18 +176,27 @@ class AutoK:
     interval (up to PROBE_MAX): where drafts never pay (sampling at T = 0.7 on the shipped pair),
     a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling,
     tried instead, kept choosing autoregressive steps from pessimistic draws: 2245 against 2812
-    tokens/s for k = 15 on the shipped pair's held-out prompts.)
+    tokens/s for k = 15 on the shipped pair's held-out prompts.) Each request starts that schedule
+    afresh: carried over from the last request, as before session 18, a poor prompt's interval of
+    32-128 left the next, well-predicted one on autoregressive steps for most of its tokens.
+
+    Likewise a short k says nothing about the positions past it, whose estimate then only decays
+    toward the prior: after LONG_PROBE_EVERY drafting rounds shorter than k_max in a row, one round
+    drafts k_max, the interval doubling (up to LONG_PROBE_MAX) after each that changes nothing. On
+    the stdlib pair (Xeon with AMX, where k = 15 pays on most prompts) the two changes took auto
+    from 1.08x to 1.33x autoregressive (k = 15: 1.49x); on SmolLM2 1.54x to 1.59x (k = 2: 1.54x),
+    with `bench/auto_ab.py` (docs/benchmarks.md, session 18).
     """
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None):
         self.k_max, self.cost = k_max, cost
         self.acceptance = AcceptanceEstimate(k_max, prior)
-        # the Engine's last request left these (RoundCost): where drafts did not pay there, a
-        # request starts without drafting and probes as rarely as the last one did
-        self.ar_run = cost.ar_run
-        self.interval = cost.probe_interval
+        self.ar_run = 0  # autoregressive steps since the last drafting round
+        self.interval = PROBE_EVERY
         self.rounds = 0
         self.probing = False
+        self.short_run = 0  # drafting rounds since the last that drafted k_max
+        self.long_interval, self.long_probing = LONG_PROBE_EVERY, False
         self._inputs, self._choice = (None, None), (0, 0)  # _best()'s cache
 
     def choose(self) -> int:
@@ -205,7 +223,16 @@ class AutoK:
                 k = best_drafting
         else:
             self.ar_run = 0
-        self.cost.probe_interval, self.cost.ar_run = self.interval, self.ar_run
+        if self.long_probing:  # the round after a long probe: did it change the decision?
+            self.long_probing = False
+            grown = min(2 * self.long_interval, LONG_PROBE_MAX)
+            self.long_interval = LONG_PROBE_EVERY if best == self.k_max else grown
+        if 0 < k < self.k_max:  # positions past k go unseen: now and then a round that sees them all
+            self.short_run += 1
+            if self.short_run >= self.long_interval:
+                self.short_run, self.long_probing, k = 0, True, self.k_max
+        elif k == self.k_max:
+            self.short_run = 0
         return k
 
     def _best(self) -> tuple[int, int]:

@@ -5,6 +5,7 @@ import pytest
 
 from dflash_kernels.model.adaptive import (
     AR_TIMINGS,
+    LONG_PROBE_EVERY,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
     PROBE_EVERY,
@@ -51,19 +52,42 @@ def test_round_cost_is_the_fastest_recent_round():
     assert c.est[4] == 0.5  # still in the window
     c.observe(4, 0.9)
     assert c.est[4] == 0.9  # the machine got slower: the fast round left the window
-    c.observe(8, 2.0)
     c.observe(0, 1.0)  # the first step after a drafting round: cold caches
     assert not c.ar_timed  # one step does not price the autoregressive step
     for _ in range(AR_TIMINGS - 1):
         c.observe(0, 0.5)
     assert c.ar_timed and c.draft_timed
+    c.observe(8, 3.0)  # timed once, maybe cold: priced as its neighbours while k = 4 has run twice
+    assert c.costs(8)[8] == 0.9
+    c.observe(8, 2.0)
     cost = c.costs(8)
     assert cost[0] == 0.5 and cost[4] == 0.9 and cost[8] == 2.0
     assert np.isclose(cost[6], (0.9 + 2.0) / 2)  # linear between the k run
     assert np.isclose(cost[2], (0.5 + 0.9) / 2)  # below the smallest k: towards the AR step
     assert c.costs(10)[10] == 2.0  # flat above the largest k
     c.observe(6, 1.0)
+    assert np.isclose(c.costs(8)[6], (0.9 + 2.0) / 2)  # once: still the line
+    c.observe(6, 1.0)
     assert c.costs(8)[6] == 1.0  # a new estimate is seen at once (costs() caches between changes)
+
+
+def test_a_k_timed_once_too_dear_is_run_again():
+    """The longest k's one timing came from a cold round (the stdlib pair on a Xeon with AMX: 1.84
+    ms against 1.10 ms in steady state): once a short k has run twice, k = 15 is priced from its
+    neighbours, tried again, and from then on priced at what it really costs."""
+    k_max = 15
+    cost = _cost(1.0, 8.0)  # a cold k = 15 round: 8 AR steps
+    chooser = AutoK(k_max, cost)
+    chooser.choose()
+    for _ in range(40):  # eight drafts accepted per round: E(15) = 9 tokens
+        chooser.observe(k_max, 8, 8.0)
+    picks = []
+    for _ in range(30):  # in steady state k = 15 costs 2 AR steps, a shorter k 1.5
+        k = chooser.choose()
+        picks.append(k)
+        chooser.observe(k, min(k, 8), 2.0 if k == k_max else 1.5)
+    assert 0 < picks[0] < k_max and k_max in picks[:4]  # tried again once the short k has run twice
+    assert cost.est[k_max] == 2.0 and cost.costs(k_max)[k_max] == 2.0
 
 
 def _cost(ar, draft, k_max=15):
@@ -130,16 +154,21 @@ def test_autok_tries_a_short_k_when_the_longest_does_not_pay():
         chooser.observe(k_max, 2, 4.0)
     k = chooser.choose()
     assert 0 < k < k_max
+    picks = []
     for _ in range(20):  # what a short round really costs: 1.5 AR steps for ~3 tokens
-        chooser.observe(k, min(k, 2), 1.5)
+        chooser.observe(k, min(k, 2), 4.0 if k == k_max else 1.5)
         k = chooser.choose()
+        picks.append(k)
     assert k == 2
+    # k_max: tried once more to confirm its price (timed once before), and one long probe
+    assert picks.count(k_max) <= 2
 
 
 def test_a_request_starts_where_the_last_one_ended():
-    """The Engine's RoundCost carries the last request's k and probe schedule: where drafts did not
-    pay, the next request starts with autoregressive steps and probes no more often than the last
-    one did (on the stdlib pair, a k = 15 round at every request's start cost 7 AR steps)."""
+    """The Engine's RoundCost carries the last request's k: where drafts did not pay, the next
+    request starts with autoregressive steps (on the stdlib pair, a k = 15 round at every request's
+    start cost 7 AR steps), and probes on its own schedule (carried over, a poor prompt's long
+    interval kept the next request from drafting where it paid)."""
     k_max = 15
     cost = _cost(1.0, 3.0)
     first = AutoK(k_max, cost)
@@ -149,7 +178,7 @@ def test_a_request_starts_where_the_last_one_ended():
     picks = [first.choose() for _ in range(3 * PROBE_EVERY)]
     assert picks.count(0) >= 3 * PROBE_EVERY - 2 and first.interval > PROBE_EVERY
     second = AutoK(k_max, cost)
-    assert second.choose() == 0 and second.interval == first.interval
+    assert second.choose() == 0 and second.interval == PROBE_EVERY < first.interval
     cost.last_k = 4
     assert AutoK(k_max, cost).choose() == 4
     cost.last_k = 40
@@ -172,3 +201,24 @@ def test_autok_decision_follows_each_new_estimate():
     assert chooser.choose() == k_max
     cost.observe(0, 0.01)  # the AR step became 300x cheaper than a round: AR wins again
     assert chooser.choose() == 0
+
+
+def test_long_rounds_now_and_then_among_short_ones():
+    """A short k leaves the positions past it unseen: after LONG_PROBE_EVERY short rounds in a row one
+    round drafts k_max; each that changes nothing doubles the interval."""
+    k_max = 15
+    cost = RoundCost(k_max)
+    for k, c in ((0, 1.0), (2, 1.2), (k_max, 5.0)):  # k = 2 pays, k = 15 does not
+        for _ in range(AR_TIMINGS):
+            cost.observe(k, c)
+    chooser = AutoK(k_max, cost)
+    chooser.choose()
+    for _ in range(40):  # two drafts accepted per round
+        chooser.observe(k_max, 2, 5.0)
+    picks = []
+    for _ in range(LONG_PROBE_EVERY * 7 + 1):
+        picks.append(chooser.choose())
+        chooser.observe(picks[-1], min(picks[-1], 2), 5.0 if picks[-1] == k_max else 1.2)
+    longs = [i for i, k in enumerate(picks) if k == k_max]
+    assert set(picks) == {2, k_max}
+    assert longs == [LONG_PROBE_EVERY - 1, 3 * LONG_PROBE_EVERY - 1, 7 * LONG_PROBE_EVERY - 1]

@@ -85,16 +85,18 @@ def test_auto_builds_the_drafters_context_only_when_it_drafts(hot):
     added = []
     original = eng.drafter.add_context
     eng.drafter.add_context = lambda taps, ctx: (added.append(taps.shape[0]), original(taps, ctx))
-    cost = eng.round_cost  # a machine where drafting never pays: only AR steps, no probe in 24 tokens
-    for _ in range(3):
+    cost = eng.round_cost  # a machine where drafting never pays: only AR steps, no probe before
+    for _ in range(3):     # PROBE_EVERY of them
         cost.observe(0, 1e-6)
-    cost.observe(eng.default_num_speculative_tokens, 1.0)
-    cost.last_k, cost.probe_interval = 0, 128
-    p = prompts(1, seed=11)[0]
-    ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
-    res = eng.generate(p, NEW_TOKENS, num_speculative_tokens="auto", ignore_eos=True)
-    assert res.token_ids == ref and res.metrics.k_histogram == {0: NEW_TOKENS - 1} and added == []
+    for _ in range(2):
+        cost.observe(eng.default_num_speculative_tokens, 1.0)
+    cost.last_k = 0
+    p, n = prompts(1, seed=11)[0], dm.adaptive.PROBE_EVERY
+    ref = hot.generate(p, n, num_speculative_tokens=0, ignore_eos=True).token_ids
+    res = eng.generate(p, n, num_speculative_tokens="auto", ignore_eos=True)
+    assert res.token_ids == ref and res.metrics.k_histogram == {0: n - 1} and added == []
     cost.last_k = 3  # the next request starts with a drafting round: all the prompt's rows, at once
+    ref = hot.generate(p, NEW_TOKENS, num_speculative_tokens=0, ignore_eos=True).token_ids
     res = eng.generate(p, NEW_TOKENS, num_speculative_tokens="auto", ignore_eos=True)
     assert res.token_ids == ref and added[0] == len(p)
     added.clear()
