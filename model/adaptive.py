@@ -106,9 +106,10 @@ class RoundCost:
     the longest k's one timed round, in the first request, cost 1.84 ms against 1.10 ms in steady
     state, so auto drafted k = 2-8 and never ran k = 15 again (0.77x of k = 15; session 18).
     Below the smallest k run that is optimistic, since a drafting round also pays the drafter, so
-    a short k gets tried and then costs what it measured. (Flat below the smallest k, as before, priced every k at the cost of
-    the longest one, which a request runs first: auto never tried the short k that paid. On
-    SmolLM2-135M k = 2 ran 1.53x autoregressive and auto 1.02x, mostly autoregressive steps.)
+    a short k gets tried and then costs what it measured. (Flat below the smallest k, as before,
+    priced every k at the cost of the longest one, which a request runs first: auto never tried
+    the short k that paid. On SmolLM2-135M k = 2 ran 1.53x autoregressive and auto 1.02x, mostly
+    autoregressive steps.)
     """
 
     def __init__(self, k_max: int = 64):
