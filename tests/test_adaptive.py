@@ -25,8 +25,10 @@ def test_acceptance_counts_what_a_round_shows():
     a.observe(0, 0)  # an autoregressive step says nothing about acceptance
     assert a.trials.tolist() == [2, 2, 2, 1, 1, 0]
     w, prior = PRIOR_WEIGHT, PRIOR_ACCEPT ** np.arange(1, 7)
-    assert np.allclose(a.survival, (a.hits + w * prior) / (a.trials + w))
-    assert a.survival[5] == prior[5]  # never drafted: the prior
+    raw = (a.hits + w * prior) / (a.trials + w)
+    assert np.allclose(a.survival, np.minimum.accumulate(raw))  # a survival never rises with j
+    assert raw[5] == prior[5] > raw[4]  # never drafted: the prior, here above position 5's estimate
+    assert a.survival[5] == a.survival[4]
 
 
 def test_acceptance_decays_and_expected_tokens():
