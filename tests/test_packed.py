@@ -92,10 +92,16 @@ def test_linear_packed_every_tier_and_precision(tier, precision, m, n, k):
     assert np.all(np.abs(got - xr @ as_f64(w).numpy().T) <= 2e-6 * scale + 1e-30)
 
 
-def test_amx_packed_equals_fma_packed_up_to_summation_order():
+def _amx_dense():
+    """The Cython dense module where AMX runs, else the test is skipped."""
     cdense = dk.kernel_module("dense", "cython")
     if not cdense.amx_available():
         pytest.skip("no AMX on this CPU: the amx-packed path cannot run here")
+    return cdense
+
+
+def test_amx_packed_equals_fma_packed_up_to_summation_order():
+    cdense = _amx_dense()
     x, w, b = _case(4, 33, 70, 1000, "bfloat16")
     p = dk.pack_weight(w)
     for precision in PRECISIONS:
@@ -113,9 +119,7 @@ def test_amx_packed_equals_fma_packed_up_to_summation_order():
 def test_amx_packed_rows_do_not_depend_on_m():
     # prefill-sized blocks run on 2 x 2 tiles in K chunks, a verification block on one m block in
     # one pass: the same products in the same order per step, so the same bits for a row either way
-    cdense = dk.kernel_module("dense", "cython")
-    if not cdense.amx_available():
-        pytest.skip("no AMX on this CPU: the amx-packed path cannot run here")
+    cdense = _amx_dense()
     x, w, b = _case(6, 97, 70, 4100, "bfloat16")
     p = dk.pack_weight(w)
     for precision in PRECISIONS:
