@@ -9,6 +9,8 @@ Build the other version in a worktree (DFLASH_TIERS=<tier> setup.py build_ext --
 The two modules' linear_packed run alternately, round by round, over the same packed weights (Qwen3
 projection shapes and a Qwen3-1.7B LM head) and their outputs are compared bit for bit; "this" is
 the module of the active tier in this checkout (cap it with DFLASH_ISA to match the other build).
+--dram times a model step's worth of packed weights instead (Qwen3-1.7B: 28 layers and the LM head,
+3.4 GB, streamed from DRAM as in decoding and verification), as GB/s of weights read.
 --torch adds torch's F.linear on the same weights (bf16 below "highest", fp32 for "highest") as a
 third contender, and each row gives this build's rate against the path's register-only peak.
 """
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--torch", action="store_true", help="also time torch F.linear on the same weights")
+    ap.add_argument("--dram", action="store_true", help="a Qwen3-1.7B step's weights from DRAM instead")
     args = ap.parse_args(argv)
 
     import dflash_kernels as dk
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     path = this.packed_path_name(m, True, parts)
     print(f"tier {this.TIER}, {args.precision}, M = {m}, {args.threads} threads, path {path}")
+    if args.dram:
+        return _dram_step(this, other, m, parts, args, rng)
     peak = this.peak_gflops("amx" if ":amx" in path else "bf16dot" if "bf16dot" in path else "fma", args.threads)
     extra = " torch (ms) | torch / this | this GFLOP/s (% of peak) |" if args.torch else ""
     print("| shape (N x K) | other (ms) | this (ms) | this / other |" + extra)
@@ -88,6 +93,30 @@ def main(argv=None) -> int:
             row += (f" {med['torch'] * 1e3:.3f} | {med['torch'] / med['this']:.2f}x | "
                     f"{gf:.0f} ({100 * gf / peak:.0f}%) |")
         print(row, flush=True)
+    return 0
+
+
+def _dram_step(this, other, m: int, parts: int, args, rng) -> int:
+    """Both builds over one model step of DRAM-resident packed weights, alternating; GB/s of weights."""
+    import dflash_kernels as dk
+    from linear_dram import _weights
+    from scale import SHAPES
+
+    packed = [dk.pack_weight(w) for w in _weights(SHAPES["Qwen3-1.7B"], 28, True, rng)]
+    n_bytes = sum(p.data.nbytes for p in packed)
+    xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in {p.shape[1] for p in packed}}
+    outs = {key: [np.empty((m, p.shape[0]), np.float32) for p in packed] for key in ("other", "this")}
+
+    def step(mod, key):
+        for p, o in zip(packed, outs[key], strict=True):
+            mod.linear_packed(xs[p.shape[1]], p.data, None, o, n_threads=args.threads, parts=parts)
+
+    med = _median_interleaved({"other": lambda: step(other, "other"), "this": lambda: step(this, "this")},
+                              args.rounds)
+    same = all(np.array_equal(a, b) for a, b in zip(outs["other"], outs["this"], strict=True))
+    print(f"Qwen3-1.7B step, {n_bytes / 1e9:.2f} GB of packed weights: other {n_bytes / med['other'] / 1e9:.1f} "
+          f"GB/s, this {n_bytes / med['this'] / 1e9:.1f} GB/s, this / other time {med['this'] / med['other']:.3f}"
+          f"{'' if same else ' (outputs differ)'}")
     return 0
 
 
