@@ -107,8 +107,9 @@ class RoundCost:
     A k not run yet, or run only once while another drafting k has run twice, costs the line
     between its nearest neighbours run (twice), the autoregressive step (k = 0) counting as one
     (flat above the largest k). The stdlib pair on a Xeon with AMX showed why once is not enough:
-    the longest k's one timed round, in the first request, cost 1.84 ms against 1.10 ms in steady
-    state, so auto drafted k = 2-8 and never ran k = 15 again (0.77x of k = 15; session 18).
+    after 8 prompts the version before priced k = 15 at 1.68-1.77 ms from its few cold rounds,
+    against 1.14-1.20 ms in steady state, and rarely ran it again (0.77x of k = 15 in `dflash bench`;
+    bench/auto_trace.py, session 18).
     Below the smallest k run that is optimistic, since a drafting round also pays the drafter, so
     a short k gets tried and then costs what it measured. (Flat below the smallest k, as before,
     priced every k at the cost of the longest one, which a request runs first: auto never tried

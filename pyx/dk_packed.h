@@ -511,7 +511,8 @@ DK_AI_AMX void dk_pk_amx_2x2(const int parts, long M, long K, long N, long m0, l
    every pair of the group from L2, a pair's chunk of B every pair of m blocks from L1, and the
    group's partial sums (cacc, GROUP x M / 32 x 4 KiB) stay in L2. Tiles from L3 run at a quarter of
    the AMX peak on this class (one pass over K per pair of panels read the activations from L3 for
-   every pair: about 20% of the peak at M = 512); tiles from L2 at 75-100% (session 18). The rest
+   every pair: about 20% of the peak at M = 512); tiles from L2 at three quarters (bench/amx_tiles.c,
+   session 18). The rest
    (an odd last m block, a last pair that is a single panel) on the one-block kernel. */
 DK_AI_AMX void dk_pk_amx_run_p(const int parts, long M, long K, long N, long plo, long phi, const uint16_t *xb,
                                const uint16_t *P, const float *bias, float *out) {
