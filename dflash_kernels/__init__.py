@@ -44,6 +44,12 @@ from .dense import (
     rope_inv_freq,
     silu_and_mul,
 )
+from .gdn_layer import (
+    GatedDeltaNetLayer,
+    gated_deltanet_gates,
+    gated_deltanet_layer,
+    prepare_gated_deltanet_layer,
+)
 from .layers import Qwen3Layer, drafter_layer, prepare_qwen3_layer, qwen3_layer
 from .linear_attention import (
     apply_output_gate,
@@ -87,6 +93,10 @@ __all__ = [
     "prepare_qwen3_layer",
     "qwen3_layer",
     "drafter_layer",
+    "GatedDeltaNetLayer",
+    "prepare_gated_deltanet_layer",
+    "gated_deltanet_layer",
+    "gated_deltanet_gates",
     "make_draft_block",
     "rejection_sample",
     "rms_norm",

@@ -39,6 +39,20 @@ ndarray or torch.Tensor, shape (T_q, H_q, D)
 ...           "self_attn.k_proj": (D, H), "self_attn.v_proj": (D, H), "self_attn.o_proj": (H, 2 * D),
 ...           "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
 >>> weights = {f"{k}.weight": rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}""",
+    # the Gated DeltaNet layer's: one key head, two value heads of d_v = 4, conv of 4 taps
+    "gdn_weights_example": """>>> rng = np.random.default_rng(0)
+>>> H, I, d_k, d_v = 8, 16, 4, 4
+>>> C = 2 * d_k + 2 * d_v  # conv channels: q | k | v
+>>> shapes = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+...           "linear_attn.in_proj_qkv.weight": (C, H), "linear_attn.in_proj_z.weight": (2 * d_v, H),
+...           "linear_attn.in_proj_b.weight": (2, H), "linear_attn.in_proj_a.weight": (2, H),
+...           "linear_attn.conv1d.weight": (C, 1, 4), "linear_attn.A_log": (2,),
+...           "linear_attn.dt_bias": (2,), "linear_attn.norm.weight": (d_v,),
+...           "linear_attn.out_proj.weight": (H, 2 * d_v), "mlp.gate_proj.weight": (I, H),
+...           "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+>>> weights = {k: rng.standard_normal(s, dtype=np.float32) * 0.3 for k, s in shapes.items()}
+>>> layer = dk.prepare_gated_deltanet_layer(weights, linear_num_key_heads=1, linear_num_value_heads=2,
+...                                         linear_key_head_dim=d_k, linear_value_head_dim=d_v)""",
 }
 
 

@@ -26,6 +26,7 @@ from .acceptance import accept_greedy, filtered_probs, rejection_sample
 from .attention import cached_attention, injected_kv_attention
 from .denoise import denoise_block
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
+from .gdn_layer import run_gated_deltanet_layer
 from .layers import run_qwen3_layer
 
 _FAMILIES = ("dense", "attention", "denoise", "acceptance", "linear_attention")
@@ -133,6 +134,12 @@ class BoundOps:
         K/V rows 0..n_ctx-1 of k_ctx / v_ctx (max_len, H_kv, D) and its own K/V (not stored)."""
         run_qwen3_layer(self._dense, x, layer, k_ctx, v_ctx, n_ctx, self._parts, self._n, append=False)
 
+    def gated_deltanet_layer(self, x, layer, conv_state, state, record=None):
+        """x (T, H) <- a Qwen3.5 Gated DeltaNet layer(x) in place, one compiled call (``layer.fused``,
+        Cython), conv_state (C, K-1) and state (H_v, d_k, d_v) advanced in place; record: None or the
+        (mixed, conv_out, g, beta) buffers of ``run_gated_deltanet_layer``."""
+        run_gated_deltanet_layer(self._dense, x, layer, conv_state, state, self._parts, self._n, record)
+
     def rms_norm(self, x, w, eps, *, offset=0.0, residual=None):
         """offset 0: Qwen3 RMSNorm (x w); offset 1: Qwen3.5 zero-centred norm (x (1 + w)). With a
         residual: (rms_norm(x + residual), x + residual), the pre-norm residual add fused in."""
@@ -226,6 +233,6 @@ class BoundOps:
                                 top_p=top_p, num_draft=num_draft, generator=generator, **self.kw)
 
     # the methods that run kernels (what a caller timing kernel time wraps)
-    OPS = ("linear", "qwen3_layer", "drafter_layer", "rms_norm", "apply_rope", "silu_and_mul", "cached_attention",
+    OPS = ("linear", "qwen3_layer", "drafter_layer", "gated_deltanet_layer", "rms_norm", "apply_rope", "silu_and_mul", "cached_attention",
            "injected_kv_attention", "argmax_tokens", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
            "split_query_gate", "apply_output_gate", "accept_greedy", "filtered_probs", "rejection_sample")

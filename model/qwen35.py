@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_kernels import GatedDeltaNetLayer, gated_deltanet_gates
 from dflash_kernels.linear_attention import conv_state_at, gated_delta_rule
 
 from ._ops import Ops
@@ -101,6 +102,7 @@ class _Layer:
     w_down: np.ndarray  # (H, I)
     mixer: _FullLayer | _LinearLayer
     slot: int  # index among the layers of its kind (KV slot or linear-state slot)
+    gdn: GatedDeltaNetLayer | None = None  # a linear layer's weights as one compiled call takes them
 
 
 @dataclass
@@ -212,14 +214,25 @@ class Qwen35Model(TargetBase):
                 )
                 slot, n_lin = n_lin, n_lin + 1
             m = p + "mlp."
-            self.layers.append(_Layer(
+            layer = _Layer(
                 w_in=as_f32(t[p + "input_layernorm.weight"]),
                 w_post=as_f32(t[p + "post_attention_layernorm.weight"]),
                 w_gate_up=prep(concat_rows(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], fuse=fuse)),
                 w_down=prep(t[m + "down_proj.weight"]),
                 mixer=mixer,
                 slot=slot,
-            ))
+            )
+            if kind != "full_attention":
+                layer.gdn = GatedDeltaNetLayer(
+                    w_in=layer.w_in, w_proj=mixer.w_in, conv=as_f32(mixer.conv), neg_a=mixer.neg_a,
+                    dt_bias=mixer.dt_bias, norm=mixer.norm, w_out=mixer.w_out, w_post=layer.w_post,
+                    w_gate_up=layer.w_gate_up, w_down=layer.w_down, num_k_heads=cfg.linear_num_key_heads,
+                    num_v_heads=cfg.linear_num_value_heads, k_head_dim=cfg.linear_key_head_dim,
+                    v_head_dim=cfg.linear_value_head_dim, eps=self.eps)
+            self.layers.append(layer)
+        # the Gated DeltaNet layers in one compiled call each where their weights are packed (Cython):
+        # the same kernels in the same order as _linear_attention and the loop around it, bit for bit
+        self.fused_layers = self.ops.fused_layers and all(L.gdn.fused for L in self.layers if L.gdn is not None)
         self.set_taps(tap_layer_ids)
 
     def new_cache(self, max_len: int, dtype: str = "float32", record_limit: int = 64) -> HybridCache:
@@ -282,14 +295,32 @@ class Qwen35Model(TargetBase):
         q = y[:, :kd].reshape(T, Hk, dk)
         k = y[:, kd : 2 * kd].reshape(T, Hk, dk)
         v = y[:, 2 * kd :].reshape(T, Hv, dv)
-        beta = (0.5 + 0.5 * np.tanh(0.5 * b)).astype(np.float32)  # (T, Hv) sigmoid(b), overflow-free
-        g = (L.neg_a * np.logaddexp(np.float32(0.0), a + L.dt_bias)).astype(np.float32)  # -exp(A) softplus(a + dt)
+        g, beta = gated_deltanet_gates(a, b, L.neg_a, L.dt_bias, backend=ops.kw["backend"])  # (T, Hv) each
         if rec is not None:
             rec.state_before[slot] = cache.state[slot]
             rec.inputs.append((q, k, v, g, beta))
         o = ops.gated_delta_rule(q, k, v, g, beta, cache.state[slot])
         o = ops.gated_rms_norm(o, z, L.norm, self.eps)  # (T, Hv, dv), per value head
         return ops.linear(o.reshape(T, vd), L.w_out)
+
+    def _fused_linear_layer(self, L: _Layer, x, cache: HybridCache, rec: _Record | None):
+        """x <- the Gated DeltaNet layer L(x) in place, one compiled call; with rec, what truncate()
+        re-runs is kept as _linear_attention keeps it."""
+        slot, c = L.slot, self.cfg
+        record = None
+        if rec is not None:
+            T, C, Hv = x.shape[0], c.conv_dim, c.linear_num_value_heads
+            rec.conv_before[slot] = cache.conv[slot]
+            rec.state_before[slot] = cache.state[slot]
+            record = (np.empty((T, C), np.float32), np.empty((T, C), np.float32), np.empty((T, Hv), np.float32),
+                      np.empty((T, Hv), np.float32))
+        self.ops.gated_deltanet_layer(x, L.gdn, cache.conv[slot], cache.state[slot], record)
+        if rec is not None:
+            mixed, y, g, beta = record
+            Hk, dk, dv, kd = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.lin_key_dim
+            rec.mixed.append(mixed)
+            rec.inputs.append((y[:, :kd].reshape(T, Hk, dk), y[:, kd:2 * kd].reshape(T, Hk, dk),
+                               y[:, 2 * kd:].reshape(T, Hv, dv), g, beta))
 
     def _forward_rows(self, ids, cache: HybridCache, tap_out, want_hidden: bool, record: bool):
         ops, eps = self.ops, self.eps
@@ -302,18 +333,24 @@ class Qwen35Model(TargetBase):
         x = self.embed_rows(ids)  # (T, H) residual stream
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
-            if delta is None:
-                h = ops.rms_norm(x, L.w_in, eps, offset=1.0)
-            else:  # the previous layer's MLP residual add, fused into this norm
-                h, x = ops.rms_norm(delta, L.w_in, eps, offset=1.0, residual=x)
-            if isinstance(L.mixer, _FullLayer):
-                out = self._full_attention(L.mixer, L.slot, h, cache, pos)
+            if L.gdn is not None and self.fused_layers:
+                if delta is not None:  # the add the next norm would fuse: the same sum
+                    x, delta = x + delta, None
+                self._fused_linear_layer(L, x, cache, rec)
             else:
-                out = self._linear_attention(L.mixer, L.slot, h, cache, rec)
-            h, x = ops.rms_norm(out, L.w_post, eps, offset=1.0, residual=x)
-            delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
+                if delta is None:
+                    h = ops.rms_norm(x, L.w_in, eps, offset=1.0)
+                else:  # the previous layer's MLP residual add, fused into this norm
+                    h, x = ops.rms_norm(delta, L.w_in, eps, offset=1.0, residual=x)
+                if isinstance(L.mixer, _FullLayer):
+                    out = self._full_attention(L.mixer, L.slot, h, cache, pos)
+                else:
+                    out = self._linear_attention(L.mixer, L.slot, h, cache, rec)
+                h, x = ops.rms_norm(out, L.w_post, eps, offset=1.0, residual=x)
+                delta = ops.linear(ops.silu_and_mul(ops.linear(h, L.w_gate_up)), L.w_down)
             if tap_out is not None and li in self._tap_slot:
-                x, delta = x + delta, None
+                if delta is not None:
+                    x, delta = x + delta, None
                 self._write_taps(tap_out, li, x, norm_offset=1.0)  # Qwen3.5's zero-centred final norm
         cache.length = start + T
         cache._rec = rec

@@ -568,3 +568,10 @@ cdef void _rope_table(const long long *positions, Py_ssize_t T, Py_ssize_t half,
 # in this module, and the attention core, included here as in attention.pyx.
 include "attention_core.pxi"
 include "layers.pxi"
+# and the Gated DeltaNet core, for the fused Qwen3.5 linear-attention layer
+from libc.math cimport expf
+from libc.stdint cimport int64_t
+from libc.string cimport memset
+
+include "gdn_core.pxi"
+include "gdn_layer.pxi"

@@ -207,6 +207,30 @@ def test_engine_greedy_matches_hf_generate(ckpt):
     assert eng.generate(prompt, 16, ignore_eos=True).token_ids == ref
 
 
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_fused_layers_equal_composed_bit_for_bit(ckpt, precision):
+    """The Gated DeltaNet layers as one compiled call each give exactly the composed path's hidden
+    rows, taps and states: a prompt, a verification block, a rollback and a decode step."""
+    if "cython" not in dk.available_backends():
+        pytest.skip("the fused layers are Cython's")
+    m = load_target(ckpt("mm-4-untied"), ops=Ops(n_threads=2, precision=precision), tap_layer_ids=(0, 2))
+    assert m.fused_layers
+    runs = []
+    for fused in (True, False):
+        m.fused_layers = fused
+        cache = m.new_cache(48)
+        out = [m.forward([3, 77, 250, 9, 41, 8, 120], cache)]
+        out.append(m.forward([5, 6, 7, 8, 9], cache))  # verification: checkpoints kept
+        cache.truncate(cache.length - 2)
+        out.append(m.forward([11], cache))
+        runs.append((out, snapshot(cache)))
+    for (h1, t1), (h2, t2) in zip(runs[0][0], runs[1][0], strict=True):
+        np.testing.assert_array_equal(h1, h2)
+        np.testing.assert_array_equal(t1, t2) if t1 is not None else None
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- rollback ------------------------------------------------------------------------------------
 
 def snapshot(cache):
