@@ -233,6 +233,7 @@ class BoundOps:
                                 top_p=top_p, num_draft=num_draft, generator=generator, **self.kw)
 
     # the methods that run kernels (what a caller timing kernel time wraps)
-    OPS = ("linear", "qwen3_layer", "drafter_layer", "gated_deltanet_layer", "rms_norm", "apply_rope", "silu_and_mul", "cached_attention",
+    OPS = ("linear", "qwen3_layer", "drafter_layer", "gated_deltanet_layer", "rms_norm", "apply_rope", "silu_and_mul",
+           "cached_attention",
            "injected_kv_attention", "argmax_tokens", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
            "split_query_gate", "apply_output_gate", "accept_greedy", "filtered_probs", "rejection_sample")

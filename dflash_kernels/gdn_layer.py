@@ -20,8 +20,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._backends import resolve
-from ._precision import check_precision, get_matmul_precision, parts as precision_parts
 from ._docs import shared_doc
+from ._precision import check_precision, get_matmul_precision, parts as precision_parts
 from ._tensors import Array, _numpy_view, any_torch, f32_array, wrap
 from ._threads import resolve_threads
 from .dense import PackedWeight, linear, prepare_weight, rms_norm, silu_and_mul
@@ -287,7 +287,8 @@ def gated_deltanet_layer(x: Array, layer: GatedDeltaNetLayer, conv_state: Array,
     (True, True)
     """
     if not isinstance(layer, GatedDeltaNetLayer):
-        raise TypeError(f"layer must be a GatedDeltaNetLayer (prepare_gated_deltanet_layer), got {type(layer).__name__}")
+        raise TypeError(f"layer must be a GatedDeltaNetLayer (prepare_gated_deltanet_layer), got "
+                        f"{type(layer).__name__}")
     xa = f32_array(x, "x", ndim=2)
     if xa.shape[1] != layer.hidden_size:
         raise ValueError(f"x must have shape (T, {layer.hidden_size}), got {xa.shape}")

@@ -12,6 +12,10 @@ which is its oracle (``compose_qwen3_layer``) and what other backends run.
 A DFlash drafter layer is the same layer with another attention (``drafter_layer``): the block's
 queries see the injected context K/V and the block's own K/V, which are not stored.
 
+A Qwen3.5 gated full-attention layer is the same layer with three switches (``prepare_qwen3_layer``'s
+``norm_offset``, ``output_gate``, ``rotary_dim``): zero-centred norms, a sigmoid output gate beside
+each query head and partial RoPE. Qwen3.5's Gated DeltaNet layers are ``gdn_layer.py``'s.
+
 Weights are prepared once (``prepare_qwen3_layer``): [Wq; Wk; Wv] and [Wgate; Wup] stacked, every
 matmul weight in linear's fastest layout (``prepare_weight``), the norms in float32.
 """
@@ -29,6 +33,7 @@ from ._tensors import Array, _numpy_view, any_torch, f32_array, f32_to_bf16, flo
 from ._threads import resolve_threads
 from .attention import cached_attention, injected_kv_attention
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
+from .linear_attention import apply_output_gate, split_query_gate
 
 _MATMULS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 
@@ -41,20 +46,27 @@ class Qwen3Layer:
     ``PackedWeight`` (Cython) or a float32 / bf16 array; ``q_norm``, ``k_norm`` (D,) float32, or None
     for a Llama layer; the head counts, ``head_dim``, ``eps``, ``rope_theta``, ``inv_freq`` (float64
     (D/2,) scaled-RoPE frequencies, or None), ``window`` (sliding window, or None) and ``causal``
-    (a drafter layer's block attention: whether a row sees the rows after it; targets are causal).
+    (a drafter layer's block attention: whether a row sees the rows after it; targets are causal);
+    for a Qwen3.5 gated full-attention layer ``norm_offset`` 1.0 (every norm x (1 + w); 0.0 else),
+    ``output_gate`` (Wq's rows per head [query | gate], the attention output times sigmoid(gate)) and
+    ``rotary_dim`` (RoPE on the first dims of a head only; head_dim for Qwen3).
     """
 
     __slots__ = ("w_in", "w_qkv", "q_norm", "k_norm", "w_o", "w_post", "w_gate_up", "w_down", "window",
-                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal", "finite_mask")
+                 "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal", "finite_mask",
+                 "norm_offset", "output_gate", "rotary_dim")
 
     def __init__(self, *, w_in, w_qkv, q_norm, k_norm, w_o, w_post, w_gate_up, w_down, num_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None,
-                 causal: bool = True):
+                 causal: bool = True, norm_offset: float = 0.0, output_gate: bool = False,
+                 rotary_dim: int | None = None):
         self.w_in, self.w_qkv, self.q_norm, self.k_norm = w_in, w_qkv, q_norm, k_norm
         self.w_o, self.w_post, self.w_gate_up, self.w_down = w_o, w_post, w_gate_up, w_down
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.rope_theta, self.inv_freq, self.window = eps, rope_theta, inv_freq, window
         self.causal = causal
+        self.norm_offset, self.output_gate = float(norm_offset), bool(output_gate)
+        self.rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
         # bit i: matmul weight i is finite (PackedWeight.finite), for the kernel's path choice; once
         # here, not per call
         self.finite_mask = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(getattr(self, n), "finite", True))
@@ -92,7 +104,8 @@ def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray
 def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: int, num_key_value_heads: int,
                         head_dim: int, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
                         rope_inv_freq: Array | None = None, sliding_window: int | None = None, prefix: str = "",
-                        causal: bool = True, backend: str = "auto") -> Qwen3Layer:
+                        causal: bool = True, norm_offset: float = 0.0, output_gate: bool = False,
+                        rotary_dim: int | None = None, backend: str = "auto") -> Qwen3Layer:
     """Prepare one Qwen3 / Llama decoder layer from its Hugging Face tensors, for ``qwen3_layer``.
 
     Tensor names as in a Qwen3 / Llama checkpoint, after ``prefix``: ``input_layernorm.weight``,
@@ -122,6 +135,14 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     causal : bool, default True
         For ``drafter_layer``: whether a block row sees only the rows up to its own (DFlash drafters:
         False, their config's ``causal``).
+    norm_offset : {0.0, 1.0}, default 0.0
+        1.0 for Qwen3.5's zero-centred norms (x (1 + w): input, post-attention, q and k norms).
+    output_gate : bool, default False
+        Qwen3.5 gated attention: q_proj has 2 head_dim rows per head, [query | gate], and the
+        attention output is multiplied by sigmoid(gate) before o_proj.
+    rotary_dim : int, optional
+        Even, 2 <= rotary_dim <= head_dim: RoPE on a head's first rotary_dim dims (Qwen3.5: head_dim
+        times partial_rotary_factor); None (default) = head_dim.
     backend : {"auto", "cython", "numba", "torch"}, default "auto"
         The one the layer will run on (packing is for Cython).
 
@@ -137,8 +158,8 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     ValueError
         If a head count or head_dim is not a positive int, num_attention_heads is not a multiple of
         num_key_value_heads, head_dim is odd, a tensor has the wrong shape, rope_inv_freq is not
-        head_dim / 2 finite positive frequencies, sliding_window is not None or an int >= 1, or backend
-        is invalid.
+        rotary_dim / 2 finite positive frequencies, sliding_window is not None or an int >= 1,
+        norm_offset is not 0 or 1, rotary_dim is odd or outside [2, head_dim], or backend is invalid.
     TypeError
         If a matmul weight has another dtype than q_proj's, or a tensor is not float32 / bf16.
 
@@ -158,11 +179,16 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
                          f"({num_key_value_heads})")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
+    if norm_offset not in (0.0, 1.0):
+        raise ValueError(f"norm_offset must be 0.0 (Qwen3) or 1.0 (Qwen3.5), got {norm_offset!r}")
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if isinstance(rot, bool) or not isinstance(rot, (int, np.integer)) or rot % 2 or not 2 <= rot <= head_dim:
+        raise ValueError(f"rotary_dim must be an even int in [2, head_dim = {head_dim}], got {rotary_dim!r}")
     p, a, m = prefix, prefix + "self_attn.", prefix + "mlp."
     w_in = f32_array(_weight(weights, p + "input_layernorm.weight", (_hidden(weights, p),)), "input_layernorm")
     H = w_in.shape[0]
     qd, kvd = num_attention_heads * head_dim, num_key_value_heads * head_dim
-    wq = _weight(weights, a + "q_proj.weight", (qd, H))
+    wq = _weight(weights, a + "q_proj.weight", (2 * qd if output_gate else qd, H))
     wk = _weight(weights, a + "k_proj.weight", (kvd, H), wq.dtype)
     wv = _weight(weights, a + "v_proj.weight", (kvd, H), wq.dtype)
     wo = _weight(weights, a + "o_proj.weight", (H, qd), wq.dtype)
@@ -181,8 +207,8 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     freq = None
     if rope_inv_freq is not None:
         freq = np.ascontiguousarray(np.asarray(rope_inv_freq, dtype=np.float64))
-        if freq.shape != (head_dim // 2,) or not (np.isfinite(freq).all() and (freq > 0).all()):
-            raise ValueError(f"rope_inv_freq must hold {head_dim // 2} finite positive frequencies, got shape "
+        if freq.shape != (rot // 2,) or not (np.isfinite(freq).all() and (freq > 0).all()):
+            raise ValueError(f"rope_inv_freq must hold {rot // 2} finite positive frequencies, got shape "
                              f"{freq.shape}")
     if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
@@ -192,7 +218,7 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
         w_gate_up=prep(np.concatenate([wg, wu])), w_down=prep(wd), num_heads=int(num_attention_heads),
         num_kv_heads=int(num_key_value_heads), head_dim=int(head_dim), eps=float(rms_norm_eps),
         rope_theta=float(rope_theta), inv_freq=freq, window=None if sliding_window is None else int(sliding_window),
-        causal=bool(causal))
+        causal=bool(causal), norm_offset=norm_offset, output_gate=output_gate, rotary_dim=int(rot))
 
 
 def _hidden(weights: Mapping, prefix: str) -> int:
@@ -371,31 +397,39 @@ def run_qwen3_layer(module, x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarra
         n_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, intermediate=layer.intermediate_size,
         eps=layer.eps, theta=layer.rope_theta, inv_freq=layer.inv_freq, window=layer.window or 0,
         n_threads=n_threads, parts=parts, finite_mask=layer.finite_mask, append=append,
-        causal=layer.causal)
+        causal=layer.causal, norm_offset=layer.norm_offset, output_gate=layer.output_gate, rotary_dim=layer.rotary_dim)
 
 
 def _project(x, layer, start, precision, kw):
-    """h, q, k (after the q/k norms and RoPE), v of rows x at positions start.."""
-    T, D = x.shape[0], layer.head_dim
+    """h, q, k (after the q/k norms and RoPE), v and the output gate (None unless layer.output_gate)
+    of rows x at positions start.."""
+    T, D, off = x.shape[0], layer.head_dim, layer.norm_offset
     qd, kvd = layer.num_heads * D, layer.num_kv_heads * D
-    h = rms_norm(x, layer.w_in, layer.eps, **kw)
-    qkv = linear(h, layer.w_qkv, precision=precision, **kw)
-    q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, layer.num_heads, D)
-    k = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, layer.num_kv_heads, D)
-    v = np.ascontiguousarray(qkv[:, qd + kvd:]).reshape(T, layer.num_kv_heads, D)
+    qw = 2 * qd if layer.output_gate else qd  # the query columns (and their gates) of a qkv row
+    h = rms_norm(x, layer.w_in, layer.eps, offset=off, **kw)
+    qkv = np.asarray(linear(h, layer.w_qkv, precision=precision, **kw))
+    gate = None
+    if layer.output_gate:
+        q, gate = split_query_gate(qkv[:, :qw], layer.num_heads, D)
+    else:
+        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, layer.num_heads, D)
+    k = np.ascontiguousarray(qkv[:, qw:qw + kvd]).reshape(T, layer.num_kv_heads, D)
+    v = np.ascontiguousarray(qkv[:, qw + kvd:]).reshape(T, layer.num_kv_heads, D)
     if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, layer.eps, **kw)
-        k = rms_norm(k, layer.k_norm, layer.eps, **kw)
+        q = rms_norm(q, layer.q_norm, layer.eps, offset=off, **kw)
+        k = rms_norm(k, layer.k_norm, layer.eps, offset=off, **kw)
     pos = np.arange(start, start + T, dtype=np.int64)
-    q = apply_rope(q, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
-    k = apply_rope(k, pos, layer.rope_theta, inv_freq=layer.inv_freq, **kw)
-    return q, k, v
+    q = apply_rope(q, pos, layer.rope_theta, layer.rotary_dim, inv_freq=layer.inv_freq, **kw)
+    k = apply_rope(k, pos, layer.rope_theta, layer.rotary_dim, inv_freq=layer.inv_freq, **kw)
+    return q, k, v, gate
 
 
-def _finish(x, o, layer, precision, kw):
-    """x + o_proj(o) + MLP(norm(...)): the layer's second half."""
+def _finish(x, o, gate, layer, precision, kw):
+    """x + o_proj(o, gated) + MLP(norm(...)): the layer's second half."""
+    if gate is not None:
+        o = apply_output_gate(np.asarray(o).reshape(x.shape[0], -1), gate, **kw)
     h, x1 = rms_norm(linear(o.reshape(x.shape[0], -1), layer.w_o, precision=precision, **kw), layer.w_post,
-                     layer.eps, residual=x, **kw)
+                     layer.eps, offset=layer.norm_offset, residual=x, **kw)
     mlp = linear(silu_and_mul(linear(h, layer.w_gate_up, precision=precision, **kw), **kw), layer.w_down,
                  precision=precision, **kw)
     return mlp + x1
@@ -407,13 +441,13 @@ def compose_qwen3_layer(x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarray, v
     """``qwen3_layer`` as the composition of the single ops (the fused kernel's oracle; the path of
     the other backends). Same arguments, validated by the caller; returns (T, H) float32."""
     T, kw = x.shape[0], dict(n_threads=n_threads, backend=backend)
-    q, k, v = _project(x, layer, start, precision, kw)
+    q, k, v, gate = _project(x, layer, start, precision, kw)
     bf16 = k_cache.dtype == np.uint16
     k_cache[start:start + T] = f32_to_bf16(k) if bf16 else k
     v_cache[start:start + T] = f32_to_bf16(v) if bf16 else v
     o = cached_attention(q, k_cache[:start + T], v_cache[:start + T], causal=True, window=layer.window,
                          precision=precision, **kw)
-    return _finish(x, o, layer, precision, kw)
+    return _finish(x, o, gate, layer, precision, kw)
 
 
 def compose_drafter_layer(x: np.ndarray, layer: Qwen3Layer, k_ctx: np.ndarray, v_ctx: np.ndarray, *,
@@ -421,7 +455,7 @@ def compose_drafter_layer(x: np.ndarray, layer: Qwen3Layer, k_ctx: np.ndarray, v
                           backend: str = "auto") -> np.ndarray:
     """``drafter_layer`` as the composition of the single ops (its oracle; the other backends' path)."""
     kw = dict(n_threads=n_threads, backend=backend)
-    q, k, v = _project(x, layer, k_ctx.shape[0], precision, kw)
+    q, k, v, gate = _project(x, layer, k_ctx.shape[0], precision, kw)
     o = injected_kv_attention(q, k_ctx, v_ctx, k, v, causal_block=layer.causal, window=layer.window,
                               precision=precision, **kw)
-    return _finish(x, o, layer, precision, kw)
+    return _finish(x, o, gate, layer, precision, kw)

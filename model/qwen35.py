@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_kernels import GatedDeltaNetLayer, gated_deltanet_gates
+from dflash_kernels import GatedDeltaNetLayer, Qwen3Layer, gated_deltanet_gates
 from dflash_kernels.linear_attention import conv_state_at, gated_delta_rule
 
 from ._ops import Ops
@@ -102,7 +102,9 @@ class _Layer:
     w_down: np.ndarray  # (H, I)
     mixer: _FullLayer | _LinearLayer
     slot: int  # index among the layers of its kind (KV slot or linear-state slot)
-    gdn: GatedDeltaNetLayer | None = None  # a linear layer's weights as one compiled call takes them
+    # the layer's weights as one compiled call takes them: a linear layer's, or a full-attention one's
+    gdn: GatedDeltaNetLayer | None = None
+    full: Qwen3Layer | None = None
 
 
 @dataclass
@@ -222,7 +224,14 @@ class Qwen35Model(TargetBase):
                 mixer=mixer,
                 slot=slot,
             )
-            if kind != "full_attention":
+            if kind == "full_attention":
+                layer.full = Qwen3Layer(
+                    w_in=layer.w_in, w_qkv=mixer.w_qkv, q_norm=mixer.q_norm, k_norm=mixer.k_norm, w_o=mixer.w_o,
+                    w_post=layer.w_post, w_gate_up=layer.w_gate_up, w_down=layer.w_down,
+                    num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                    eps=self.eps, rope_theta=cfg.rope_theta, norm_offset=1.0, output_gate=True,
+                    rotary_dim=cfg.rotary_dim)
+            else:
                 layer.gdn = GatedDeltaNetLayer(
                     w_in=layer.w_in, w_proj=mixer.w_in, conv=as_f32(mixer.conv), neg_a=mixer.neg_a,
                     dt_bias=mixer.dt_bias, norm=mixer.norm, w_out=mixer.w_out, w_post=layer.w_post,
@@ -230,9 +239,9 @@ class Qwen35Model(TargetBase):
                     num_v_heads=cfg.linear_num_value_heads, k_head_dim=cfg.linear_key_head_dim,
                     v_head_dim=cfg.linear_value_head_dim, eps=self.eps)
             self.layers.append(layer)
-        # the Gated DeltaNet layers in one compiled call each where their weights are packed (Cython):
-        # the same kernels in the same order as _linear_attention and the loop around it, bit for bit
-        self.fused_layers = self.ops.fused_layers and all(L.gdn.fused for L in self.layers if L.gdn is not None)
+        # every layer in one compiled call where the weights are packed (Cython): the same kernels in
+        # the same order as _full_attention / _linear_attention and the loop around them, bit for bit
+        self.fused_layers = self.ops.fused_layers and all((L.gdn or L.full).fused for L in self.layers)
         self.set_taps(tap_layer_ids)
 
     def new_cache(self, max_len: int, dtype: str = "float32", record_limit: int = 64) -> HybridCache:
@@ -333,10 +342,13 @@ class Qwen35Model(TargetBase):
         x = self.embed_rows(ids)  # (T, H) residual stream
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
-            if L.gdn is not None and self.fused_layers:
+            if self.fused_layers:
                 if delta is not None:  # the add the next norm would fuse: the same sum
                     x, delta = x + delta, None
-                self._fused_linear_layer(L, x, cache, rec)
+                if L.full is not None:
+                    ops.qwen3_layer(x, L.full, cache.kv.k[L.slot], cache.kv.v[L.slot], start)
+                else:
+                    self._fused_linear_layer(L, x, cache, rec)
             else:
                 if delta is None:
                     h = ops.rms_norm(x, L.w_in, eps, offset=1.0)

@@ -27,7 +27,8 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                 const wtype[::1] w_gate_up, const wtype[::1] w_down, const ctype[:, :, ::1] k_cache,
                 const ctype[:, :, ::1] v_cache, *, int n_heads, int n_kv_heads, int head_dim, int intermediate,
                 float eps, double theta, const double[::1] inv_freq=None, Py_ssize_t window=0,
-                int n_threads, int parts=3, int finite_mask=15, bint append=True, bint causal=True):
+                int n_threads, int parts=3, int finite_mask=15, bint append=True, bint causal=True,
+                float norm_offset=0.0, bint output_gate=False, int rotary_dim=0):
     """x (T, H) <- the layer's output for the residual stream x at positions start..start+T-1.
 
     Weights packed (linear_packed's layout): w_qkv [Wq; Wk; Wv] (q_dim + 2 kv_dim, H), w_o (H, q_dim),
@@ -38,10 +39,14 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     the caches are the injected context, the rows' own K/V are attended to but not stored, and
     `causal` says whether a row sees the rows after it. window > 0: only the last `window` positions.
     finite_mask: bit i set when weight i (qkv, o, gate_up, down) is finite (PackedWeight.finite).
-    The caller validates shapes (layers.py)."""
+    A Qwen3.5 gated full-attention layer: norm_offset 1 (every norm x (1 + w)), output_gate (Wq's
+    rows per head [query | gate], attention output times sigmoid(gate) before o_proj) and rotary_dim
+    < head_dim (RoPE on the first dims only; 0 = head_dim). The caller validates shapes (layers.py)."""
     cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = head_dim, Hq = n_heads, Hkv = n_kv_heads
-    cdef Py_ssize_t qd = Hq * D, kvd = Hkv * D, nqkv = qd + 2 * kvd, I = intermediate, half = D // 2
-    cdef Py_ssize_t end = start + T, t, r, hd, j
+    cdef Py_ssize_t qd = Hq * D, kvd = Hkv * D, I = intermediate
+    cdef Py_ssize_t qw = 2 * D if output_gate else D  # a query head's columns in a qkv row (+ its gate)
+    cdef Py_ssize_t nqkv = Hq * qw + 2 * kvd, half = (rotary_dim if rotary_dim > 0 else D) // 2
+    cdef Py_ssize_t end = start + T, t, r, hd, j, gi
     cdef int rc
     cdef int bf16 = 0 if wtype is float else 1
     cdef int kv_bf16 = 0 if ctype is float else 1
@@ -95,29 +100,31 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
         for t in range(T):
             pos[t] = start + t
         with nogil:
-            _rope_table(pos, T, half, <int> D, theta, &inv_freq[0] if inv_freq is not None else NULL, table)
+            _rope_table(pos, T, half, <int> (2 * half), theta, &inv_freq[0] if inv_freq is not None else NULL, table)
         for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
-            dk_rms_norm_row(xp + t * H, NULL, &w_in[0], 0.0, eps, H, h + t * H, NULL)
+            dk_rms_norm_row(xp + t * H, NULL, &w_in[0], norm_offset, eps, H, h + t * H, NULL)
         _linear_packed_run(h, T, H, nqkv, &w_qkv[0], bf16, NULL, qkv, n_threads, parts, finite_mask & 1)
         # per head of q and k: q_norm / k_norm (a Llama layer copies), then RoPE in place
         for r in prange(T * (Hq + Hkv), nogil=True, num_threads=nt_qk, schedule="static"):
             t = r // (Hq + Hkv)
             hd = r % (Hq + Hkv)
-            src = qkv + t * nqkv + hd * D  # q heads, then k heads, side by side in a qkv row
+            # q heads (each with its gate after it when gated), then k heads, side by side in a qkv row
             if hd < Hq:
+                src = qkv + t * nqkv + hd * qw
                 dst = q + (t * Hq + hd) * D
                 nw = qn
             else:
+                src = qkv + t * nqkv + Hq * qw + (hd - Hq) * D
                 dst = kb + (t * Hkv + hd - Hq) * D
                 nw = kn
             if qk:
-                dk_rms_norm_row(src, NULL, nw, 0.0, eps, D, dst, NULL)
+                dk_rms_norm_row(src, NULL, nw, norm_offset, eps, D, dst, NULL)
             else:
                 memcpy(dst, src, D * sizeof(float))
             dk_rope_row(dst, table + 2 * t * half, table + (2 * t + 1) * half, half, D, dst)
         with nogil:
             for t in range(T):
-                src = qkv + t * nqkv + qd + kvd
+                src = qkv + t * nqkv + Hq * qw + kvd
                 if not append:  # the block's own K/V: attention's second source, never stored
                     memcpy(vb + t * kvd, src, kvd * sizeof(float))
                 elif kv_bf16:
@@ -136,9 +143,15 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
             rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()
+        if output_gate:  # as apply_output_gate: o * sigmoid(gate), the gate beside each query head
+            for r in prange(T * Hq, nogil=True, num_threads=nt_qk, schedule="static"):
+                t = r // Hq
+                for j in range(D):
+                    gi = t * nqkv + (r % Hq) * qw + D + j
+                    att[r * D + j] = att[r * D + j] / (1.0 + dk_exp(-qkv[gi]))
         _linear_packed_run(att, T, qd, H, &w_o[0], bf16, NULL, ao, n_threads, parts, finite_mask & 2)
         for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
-            dk_rms_norm_row(ao + t * H, xp + t * H, &w_post[0], 0.0, eps, H, h + t * H, x1 + t * H)
+            dk_rms_norm_row(ao + t * H, xp + t * H, &w_post[0], norm_offset, eps, H, h + t * H, x1 + t * H)
         _linear_packed_run(h, T, H, 2 * I, &w_gate_up[0], bf16, NULL, gu, n_threads, parts, finite_mask & 4)
         for t in prange(T, nogil=True, num_threads=nt_i, schedule="static"):
             dk_silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I)

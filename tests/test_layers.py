@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import dflash_kernels as dk
 from dflash_kernels.layers import compose_drafter_layer, compose_qwen3_layer
-from dflash_kernels.reference import attention as ref_attn, dense as ref
+from dflash_kernels.reference import attention as ref_attn, dense as ref, linear_attention as ref_la
 from support import KERNEL_CASES, TOLERANCE_LONG, as_f64, assert_close, make_float
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -18,11 +18,11 @@ CYTHON_TIERS = pytest.mark.parametrize("kernel_backend", [c for c in KERNEL_CASE
                                        indirect=True)
 
 
-def _layer_weights(rng, H, Hq, Hkv, D, inter, dtype, qk_norm=True, prefix=""):
+def _layer_weights(rng, H, Hq, Hkv, D, inter, dtype, qk_norm=True, prefix="", gated=False):
     w = {
         "input_layernorm.weight": rng.uniform(0.5, 1.5, H).astype(np.float32),
         "post_attention_layernorm.weight": rng.uniform(0.5, 1.5, H).astype(np.float32),
-        "self_attn.q_proj.weight": make_float(rng, (Hq * D, H), dtype, scale=0.2),
+        "self_attn.q_proj.weight": make_float(rng, ((2 if gated else 1) * Hq * D, H), dtype, scale=0.2),
         "self_attn.k_proj.weight": make_float(rng, (Hkv * D, H), dtype, scale=0.2),
         "self_attn.v_proj.weight": make_float(rng, (Hkv * D, H), dtype, scale=0.2),
         "self_attn.o_proj.weight": make_float(rng, (H, Hq * D), dtype, scale=0.2),
@@ -50,20 +50,25 @@ CONFIGS = st.fixed_dictionaries({
     "start": st.integers(0, 60),
     "precision": st.sampled_from(["highest", "medium"]),
     "threads": st.sampled_from([1, 2]),
+    "qwen35": st.booleans(),  # a Qwen3.5 gated full-attention layer: (1 + w) norms, output gate, partial RoPE
 })
+
+
+def _qwen35_args(cfg):
+    return dict(norm_offset=1.0, output_gate=True, rotary_dim=cfg["D"] // 8 * 2) if cfg.get("qwen35") else {}
 
 
 def _case(cfg, seed, causal=True):
     rng = np.random.default_rng(seed)
     Hq, Hkv = cfg["heads"]
     D = cfg["D"]
-    w = _layer_weights(rng, cfg["H"], Hq, Hkv, D, cfg["inter"], cfg["dtype"], cfg["qk_norm"])
+    w = _layer_weights(rng, cfg["H"], Hq, Hkv, D, cfg["inter"], cfg["dtype"], cfg["qk_norm"], gated=cfg["qwen35"])
     freq = None
     if cfg["scaled_rope"]:
-        freq = dk.rope_inv_freq(1e4, D, {"rope_type": "linear", "factor": 4.0})
+        freq = dk.rope_inv_freq(1e4, _qwen35_args(cfg).get("rotary_dim", D), {"rope_type": "linear", "factor": 4.0})
     layer = dk.prepare_qwen3_layer(w, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
                                    rms_norm_eps=1e-6, rope_theta=1e4, rope_inv_freq=freq,
-                                   sliding_window=cfg["window"], causal=causal, backend="cython")
+                                   sliding_window=cfg["window"], causal=causal, backend="cython", **_qwen35_args(cfg))
     T, start = cfg["T"], cfg["start"]
     x = make_float(rng, (T, cfg["H"]), "float32", scale=2.0)
     cache = make_float(rng, (start + T + 5, Hkv, D), cfg["kv"])
@@ -105,29 +110,36 @@ def test_drafter_layer_matches_reference(kernel_backend, cfg, causal, seed):
     Hq, Hkv = cfg["heads"]
     layer = dk.prepare_qwen3_layer(w, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=cfg["D"],
                                    rms_norm_eps=1e-6, rope_theta=1e4, rope_inv_freq=freq,
-                                   sliding_window=cfg["window"], causal=causal, backend=kernel_backend)
+                                   sliding_window=cfg["window"], causal=causal, backend=kernel_backend,
+                                   **_qwen35_args(cfg))
     got = dk.drafter_layer(x, layer, k0[:cfg["start"]], v0[:cfg["start"]], backend=kernel_backend,
                            n_threads=cfg["threads"])
     assert_close(got, _reference_layer(w, cfg, x, k0, v0, freq, causal), **TOLERANCE_LONG, what="drafter_layer")
 
 
 def _reference_layer(w, cfg, x, k_cache, v_cache, freq, causal=True):
-    """The layer in float64 torch from the reference ops (HF's Qwen3DecoderLayer, step by step)."""
+    """The layer in float64 torch from the reference ops (HF's Qwen3DecoderLayer, step by step; with
+    cfg["qwen35"] the full-attention layer of Qwen3_5DecoderLayer)."""
     Hq, Hkv = cfg["heads"]
     D, T, start = cfg["D"], cfg["T"], cfg["start"]
+    off, rot = (1.0, cfg["D"] // 8 * 2) if cfg.get("qwen35") else (0.0, D)
     W = {k: as_f64(v) for k, v in w.items()}
     xr = as_f64(x)
-    h = ref.rms_norm(xr, W["input_layernorm.weight"], eps=1e-6)
-    q = ref.linear(h, W["self_attn.q_proj.weight"]).reshape(T, Hq, D)
+    h = ref.rms_norm(xr, W["input_layernorm.weight"], eps=1e-6, offset=off)
+    q = ref.linear(h, W["self_attn.q_proj.weight"])
+    gate = None
+    if cfg.get("qwen35"):
+        q, gate = ref_la.split_query_gate(q, Hq, D)
+    q = q.reshape(T, Hq, D)
     k = ref.linear(h, W["self_attn.k_proj.weight"]).reshape(T, Hkv, D)
     v = ref.linear(h, W["self_attn.v_proj.weight"]).reshape(T, Hkv, D)
     if cfg["qk_norm"]:
-        q = ref.rms_norm(q, W["self_attn.q_norm.weight"], eps=1e-6)
-        k = ref.rms_norm(k, W["self_attn.k_norm.weight"], eps=1e-6)
+        q = ref.rms_norm(q, W["self_attn.q_norm.weight"], eps=1e-6, offset=off)
+        k = ref.rms_norm(k, W["self_attn.k_norm.weight"], eps=1e-6, offset=off)
     pos = torch.arange(start, start + T)
     inv = None if freq is None else torch.from_numpy(freq)
-    q = ref.apply_rope(q, pos, theta=1e4, rotary_dim=D, inv_freq=inv)
-    k = ref.apply_rope(k, pos, theta=1e4, rotary_dim=D, inv_freq=inv)
+    q = ref.apply_rope(q, pos, theta=1e4, rotary_dim=rot, inv_freq=inv)
+    k = ref.apply_rope(k, pos, theta=1e4, rotary_dim=rot, inv_freq=inv)
     keys = torch.cat([as_f64(k_cache[:start]), k])
     vals = torch.cat([as_f64(v_cache[:start]), v])
     if causal:
@@ -135,8 +147,10 @@ def _reference_layer(w, cfg, x, k_cache, v_cache, freq, causal=True):
     else:
         o = ref_attn.injected_kv_attention(q, keys[:start], vals[:start], k, v, window=cfg["window"])
     o = o.reshape(T, Hq * D)
+    if gate is not None:
+        o = ref_la.apply_output_gate(o, gate)
     x1 = xr + ref.linear(o, W["self_attn.o_proj.weight"])
-    h2 = ref.rms_norm(x1, W["post_attention_layernorm.weight"], eps=1e-6)
+    h2 = ref.rms_norm(x1, W["post_attention_layernorm.weight"], eps=1e-6, offset=off)
     gate_up = torch.cat([ref.linear(h2, W["mlp.gate_proj.weight"]), ref.linear(h2, W["mlp.up_proj.weight"])], -1)
     return x1 + ref.linear(ref.silu_and_mul(gate_up), W["mlp.down_proj.weight"])
 
@@ -148,7 +162,7 @@ def test_qwen3_layer_matches_reference(kernel_backend, cfg, seed):
     Hq, Hkv = cfg["heads"]
     layer = dk.prepare_qwen3_layer(w, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=cfg["D"],
                                    rms_norm_eps=1e-6, rope_theta=1e4, rope_inv_freq=freq,
-                                   sliding_window=cfg["window"], backend=kernel_backend)
+                                   sliding_window=cfg["window"], backend=kernel_backend, **_qwen35_args(cfg))
     got = dk.qwen3_layer(x, layer, k0.copy(), v0.copy(), cfg["start"], backend=kernel_backend,
                          n_threads=cfg["threads"])
     assert_close(got, _reference_layer(w, cfg, x, k0, v0, freq), **TOLERANCE_LONG, what="qwen3_layer")
@@ -204,6 +218,15 @@ def test_prepare_qwen3_layer_names_the_bad_tensor():
         _prep(_good(), rope_inv_freq=np.ones(3))
     with pytest.raises(ValueError, match="sliding_window"):
         _prep(_good(), sliding_window=0)
+    with pytest.raises(ValueError, match="q_proj"):  # a gated layer's q_proj holds [query | gate] per head
+        _prep(_good(), output_gate=True)
+    with pytest.raises(ValueError, match="norm_offset"):
+        _prep(_good(), norm_offset=0.5)
+    for bad in (3, 0, 18):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            _prep(_good(), rotary_dim=bad)
+    with pytest.raises(ValueError, match="rope_inv_freq must hold 2"):  # rotary_dim / 2 frequencies
+        _prep(_good(), rotary_dim=4, rope_inv_freq=np.ones(8))
 
 
 def test_drafter_layer_bad_context():

@@ -207,10 +207,11 @@ def test_engine_greedy_matches_hf_generate(ckpt):
     assert eng.generate(prompt, 16, ignore_eos=True).token_ids == ref
 
 
-@pytest.mark.parametrize("precision", ["highest", "medium"])
-def test_fused_layers_equal_composed_bit_for_bit(ckpt, precision):
-    """The Gated DeltaNet layers as one compiled call each give exactly the composed path's hidden
-    rows, taps and states: a prompt, a verification block, a rollback and a decode step."""
+@pytest.mark.parametrize("precision, kv", [("highest", "float32"), ("medium", "bfloat16")])
+def test_fused_layers_equal_composed_bit_for_bit(ckpt, precision, kv):
+    """Every layer as one compiled call (Gated DeltaNet and gated full attention) gives exactly the
+    composed path's hidden rows, taps and states: a prompt, a verification block, a rollback and a
+    decode step."""
     if "cython" not in dk.available_backends():
         pytest.skip("the fused layers are Cython's")
     m = load_target(ckpt("mm-4-untied"), ops=Ops(n_threads=2, precision=precision), tap_layer_ids=(0, 2))
@@ -218,7 +219,7 @@ def test_fused_layers_equal_composed_bit_for_bit(ckpt, precision):
     runs = []
     for fused in (True, False):
         m.fused_layers = fused
-        cache = m.new_cache(48)
+        cache = m.new_cache(48, dtype=kv)
         out = [m.forward([3, 77, 250, 9, 41, 8, 120], cache)]
         out.append(m.forward([5, 6, 7, 8, 9], cache))  # verification: checkpoints kept
         cache.truncate(cache.length - 2)
