@@ -4,10 +4,14 @@ One process, one loaded model; the two paths alternate (the model's ``fused_laye
 the machine's noise hits both alike. Decode (1 row), verification (16 rows) and a 64-row prefill
 chunk after a 64-token prompt, and with --drafter the drafter's 16-row block over that context;
 medians over the repeats, and a check that both paths give the same hidden states bit for bit.
+A Qwen3.5 hybrid target (its Gated DeltaNet and gated full-attention layers fused) works too: its
+cache, whose recurrent states cannot be cropped, is rewound to the prompt's copy instead.
 
     python bench/fused_layers.py --target model/default/target --drafter model/default/drafter
     python bench/fused_layers.py --target ~/.cache/dflash_kernels/SmolLM2-135M-Instruct.Q4_1.gguf \
         --drafter model/default/smollm2-drafter
+    python bench/scale.py --shape Qwen3.5-0.8B --keep /tmp/q08 --ks 15 --repeats 1   # writes a random pair
+    python bench/fused_layers.py --target /tmp/q08/target --drafter /tmp/q08/drafter
 """
 
 from __future__ import annotations
@@ -20,9 +24,18 @@ import numpy as np
 from dflash_kernels.model import load
 
 
-def _time(t, cache, rows: int, steps: int) -> float:
+def _rewind(cache, prompt_state) -> None:
+    """Back to the 64-token prompt: a KV cache is cut; a hybrid cache gets the prompt's states back."""
+    if prompt_state is None:
+        cache.truncate(64)
+        return
+    cache.conv[...], cache.state[...] = prompt_state
+    cache.length, cache._rec = 64, None
+
+
+def _time(t, cache, rows: int, steps: int, prompt_state) -> float:
     """Seconds per forward of `rows` tokens, appended after the 64-token prompt `steps` times."""
-    cache.truncate(64)
+    _rewind(cache, prompt_state)
     t0 = time.perf_counter()
     for i in range(steps):
         t.forward(np.arange(rows) + 100 + i, cache, last_only=rows == 1)
@@ -45,16 +58,18 @@ def main(argv=None) -> None:
         raise SystemExit("this backend has no fused layers (they are Cython's)")
     cache = t.new_cache(64 + a.steps + 64 + 1)
     taps = t.forward(list(range(1, 65)), cache)[1]
+    prompt_state = (cache.conv.copy(), cache.state.copy()) if hasattr(cache, "state") else None
     for rows in (1, 16, 64):
         res = {True: [], False: []}
         for _ in range(a.repeats):
             for fused in (True, False):
                 t.fused_layers = fused
-                res[fused].append(_time(t, cache, rows, a.steps if rows < 64 else max(2, a.steps // 8)))
+                res[fused].append(_time(t, cache, rows, a.steps if rows < 64 else max(2, a.steps // 8),
+                                        prompt_state))
         outs = []
         for fused in (True, False):
             t.fused_layers = fused
-            cache.truncate(64)
+            _rewind(cache, prompt_state)
             outs.append(t.forward(np.arange(rows) + 7, cache)[0])
         t.fused_layers = True
         _report(f"target, {rows:3d} rows", res, outs)

@@ -36,4 +36,11 @@ def qwen3_layer(x: F32, start: int, w_in: F32, w_qkv: Weights, q_norm: F32 | Non
                 v_cache: Weights, *, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
                 eps: float, theta: float, inv_freq: npt.NDArray[np.float64] | None = None, window: int = 0,
                 n_threads: int, parts: int = 3, finite_mask: int = 15, append: bool = True,
-                causal: bool = True) -> None: ...
+                causal: bool = True, norm_offset: float = 0.0, output_gate: bool = False,
+                rotary_dim: int = 0) -> None: ...
+def gated_deltanet_layer(x: F32, w_in: F32, w_proj: Weights, conv_w: F32, neg_a: F32, dt_bias: F32, w_norm: F32,
+                         w_out: Weights, w_post: F32, w_gate_up: Weights, w_down: Weights, conv_state: F32,
+                         state: F32, *, n_k_heads: int, intermediate: int, eps: float, n_threads: int,
+                         parts: int = 3, finite_mask: int = 15, mixed_out: F32 | None = None,
+                         conv_out: F32 | None = None, g_out: F32 | None = None,
+                         beta_out: F32 | None = None) -> None: ...
