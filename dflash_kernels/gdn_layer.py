@@ -24,14 +24,12 @@ from ._docs import shared_doc
 from ._precision import check_precision, get_matmul_precision, parts as precision_parts
 from ._tensors import Array, _numpy_view, any_torch, f32_array, wrap
 from ._threads import resolve_threads
-from .dense import PackedWeight, linear, prepare_weight, rms_norm, silu_and_mul
-from .layers import _hidden, _weight
+from .dense import linear, prepare_weight, rms_norm, silu_and_mul
+from .layers import _hidden, _PreparedLayer, _weight
 from .linear_attention import _conv_weight, _state_array, causal_conv1d, gated_delta_rule, gated_rms_norm
 
-_MATMULS = ("w_proj", "w_out", "w_gate_up", "w_down")
 
-
-class GatedDeltaNetLayer:
+class GatedDeltaNetLayer(_PreparedLayer):
     """One Qwen3.5 Gated DeltaNet decoder layer's weights, ready for ``gated_deltanet_layer``.
 
     Attributes: ``w_in``, ``w_post`` (H,) float32 zero-centred norms (x (1 + w)); ``w_proj``
@@ -43,6 +41,7 @@ class GatedDeltaNetLayer:
 
     __slots__ = ("w_in", "w_proj", "conv", "neg_a", "dt_bias", "norm", "w_out", "w_post", "w_gate_up", "w_down",
                  "num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "eps", "finite_mask")
+    MATMULS = ("w_proj", "w_out", "w_gate_up", "w_down")
 
     def __init__(self, *, w_in, w_proj, conv, neg_a, dt_bias, norm, w_out, w_post, w_gate_up, w_down,
                  num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, eps: float):
@@ -50,16 +49,7 @@ class GatedDeltaNetLayer:
         self.norm, self.w_out, self.w_post, self.w_gate_up, self.w_down = norm, w_out, w_post, w_gate_up, w_down
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.k_head_dim, self.v_head_dim, self.eps = k_head_dim, v_head_dim, eps
-        # bit i: matmul weight i is finite (PackedWeight.finite), for the kernel's path choice
-        self.finite_mask = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(getattr(self, n), "finite", True))
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w_in.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w_down.shape[1]
+        self.finite_mask = self._finite_mask()
 
     @property
     def conv_dim(self) -> int:
@@ -73,11 +63,6 @@ class GatedDeltaNetLayer:
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return self.num_v_heads, self.k_head_dim, self.v_head_dim
-
-    @property
-    def fused(self) -> bool:
-        """Whether ``gated_deltanet_layer`` runs this layer as one compiled call (every matmul packed)."""
-        return all(isinstance(getattr(self, n), PackedWeight) for n in _MATMULS)
 
     def __repr__(self) -> str:
         return (f"GatedDeltaNetLayer(hidden={self.hidden_size}, heads={self.num_k_heads}x{self.k_head_dim}/"

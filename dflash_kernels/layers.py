@@ -35,10 +35,34 @@ from .attention import cached_attention, injected_kv_attention
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
 from .linear_attention import apply_output_gate, split_query_gate
 
-_MATMULS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+class _PreparedLayer:
+    """What the prepared decoder layers share: the matmul weights named in ``MATMULS`` (each a
+    ``PackedWeight`` or a plain array), the input norm ``w_in`` and the MLP's ``w_down``."""
+
+    __slots__ = ()
+    MATMULS: tuple[str, ...] = ()
+
+    def _finite_mask(self) -> int:
+        """Bit i: matmul weight i is finite (PackedWeight.finite), for the kernel's path choice; once
+        at preparation, not per call."""
+        return sum(1 << i for i, n in enumerate(self.MATMULS) if getattr(getattr(self, n), "finite", True))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w_in.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_down.shape[1]
+
+    @property
+    def fused(self) -> bool:
+        """Whether the layer runs as one compiled call (every matmul weight packed)."""
+        return all(isinstance(getattr(self, n), PackedWeight) for n in self.MATMULS)
 
 
-class Qwen3Layer:
+class Qwen3Layer(_PreparedLayer):
     """One Qwen3 / Llama decoder layer's weights, ready for ``qwen3_layer``.
 
     Attributes: ``w_in``, ``w_post`` (H,) float32 norms; ``w_qkv`` (q_dim + 2 kv_dim, H) =
@@ -55,6 +79,7 @@ class Qwen3Layer:
     __slots__ = ("w_in", "w_qkv", "q_norm", "k_norm", "w_o", "w_post", "w_gate_up", "w_down", "window",
                  "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta", "inv_freq", "causal", "finite_mask",
                  "norm_offset", "output_gate", "rotary_dim")
+    MATMULS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 
     def __init__(self, *, w_in, w_qkv, q_norm, k_norm, w_o, w_post, w_gate_up, w_down, num_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, rope_theta: float, inv_freq=None, window=None,
@@ -67,22 +92,7 @@ class Qwen3Layer:
         self.causal = causal
         self.norm_offset, self.output_gate = float(norm_offset), bool(output_gate)
         self.rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-        # bit i: matmul weight i is finite (PackedWeight.finite), for the kernel's path choice; once
-        # here, not per call
-        self.finite_mask = sum(1 << i for i, n in enumerate(_MATMULS) if getattr(getattr(self, n), "finite", True))
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w_in.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w_down.shape[1]
-
-    @property
-    def fused(self) -> bool:
-        """Whether ``qwen3_layer`` runs this layer as one compiled call (every matmul weight packed)."""
-        return all(isinstance(getattr(self, n), PackedWeight) for n in _MATMULS)
+        self.finite_mask = self._finite_mask()
 
     def __repr__(self) -> str:
         return (f"Qwen3Layer(hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "

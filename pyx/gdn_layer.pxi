@@ -38,11 +38,12 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
         return
     if parts < 3:  # the vdpbf16ps rule is measured once, before the C code reads it
         bf16dot_pays()
-    # every intermediate in one block: h (norm outputs), proj, mixed (conv in), y (conv out), v, g,
-    # beta, o (delta rule), on (gated norm), ao (out_proj), x1 (residual), gu, act, mlp; then the
-    # per-thread scratch of the conv and of the recurrence
+    # every intermediate in one block: h (norm outputs), proj, y (conv out), v, g, beta, o (delta
+    # rule), on (gated norm), ao (out_proj), x1 (residual), gu, act, mlp; then the per-thread scratch
+    # of the conv and of the recurrence. The conv reads its inputs in place from proj; y, g and beta
+    # go straight to the record buffers when given.
     cdef Py_ssize_t n_h = T * H, per_conv = (2 * Kc - 1) * CONV_CB, per_rule = 2 * T * dk + dk * BW
-    cdef float *buf = <float *> malloc((4 * n_h + T * nproj + 2 * T * C + 3 * T * vd + 2 * T * Hv + 3 * T * I
+    cdef float *buf = <float *> malloc((4 * n_h + T * nproj + T * C + 3 * T * vd + 2 * T * Hv + 3 * T * I
                                         + nt_conv * per_conv + nt_rule * per_rule) * sizeof(float))
     if buf == NULL:
         raise MemoryError()
@@ -51,8 +52,7 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
     cdef float *x1 = ao + n_h
     cdef float *mlp = x1 + n_h
     cdef float *proj = mlp + n_h
-    cdef float *mixed = proj + T * nproj
-    cdef float *y = mixed + T * C
+    cdef float *y = proj + T * nproj
     cdef float *vb = y + T * C
     cdef float *o = vb + T * vd
     cdef float *on = o + T * vd
@@ -62,6 +62,14 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
     cdef float *act = gu + 2 * T * I
     cdef float *conv_scratch = act + T * I
     cdef float *rule_scratch = conv_scratch + nt_conv * per_conv
+    if conv_out is not None:
+        y = &conv_out[0, 0]
+    if g_out is not None:
+        gb = &g_out[0, 0]
+    if beta_out is not None:
+        bb = &beta_out[0, 0]
+    cdef bint keep_mixed = mixed_out is not None
+    cdef float *mixed = &mixed_out[0, 0] if keep_mixed else NULL
     cdef float *xp = &x[0, 0]
     cdef float *sp = &conv_state[0, 0] if Kc > 1 else NULL
     cdef float *qn
@@ -81,14 +89,15 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
         _linear_packed_run(hb, T, H, nproj, &w_proj[0], bf16, NULL, proj, n_threads, parts, finite_mask & 1)
         with nogil:
             for t in range(T):
-                memcpy(mixed + t * C, proj + t * nproj, C * sizeof(float))
+                if keep_mixed:
+                    memcpy(mixed + t * C, proj + t * nproj, C * sizeof(float))
                 gdn_gates_row(proj + t * nproj + C + vd + Hv, proj + t * nproj + C + vd, &neg_a[0], &dt_bias[0], Hv,
                               gb + t * Hv, bb + t * Hv)
         for b in prange(nb, nogil=True, num_threads=nt_conv, schedule="static"):  # as causal_conv1d
             tid = threadid()
             c0 = <Py_ssize_t> b * CONV_CB
             n = <int> (C - c0 if C - c0 < CONV_CB else CONV_CB)
-            la_conv_block(mixed + c0, C, &conv_w[c0, 0], sp + c0 * (Kc - 1) if sp != NULL else NULL, y + c0, C,
+            la_conv_block(proj + c0, nproj, &conv_w[c0, 0], sp + c0 * (Kc - 1) if sp != NULL else NULL, y + c0, C,
                           NULL, 0, T, n, <int> Kc, 1, conv_scratch + tid * per_conv,
                           conv_scratch + tid * per_conv + Kc * CONV_CB)
         with nogil:
@@ -114,15 +123,6 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
         for t in prange(T, nogil=True, num_threads=nt_h, schedule="static"):
             for j in range(H):
                 xp[t * H + j] = mlp[t * H + j] + x1[t * H + j]
-        with nogil:  # what a rollback re-runs
-            if mixed_out is not None:
-                memcpy(&mixed_out[0, 0], mixed, T * C * sizeof(float))
-            if conv_out is not None:
-                memcpy(&conv_out[0, 0], y, T * C * sizeof(float))
-            if g_out is not None:
-                memcpy(&g_out[0, 0], gb, T * Hv * sizeof(float))
-            if beta_out is not None:
-                memcpy(&beta_out[0, 0], bb, T * Hv * sizeof(float))
     finally:
         free(buf)
         free(slots)
