@@ -141,6 +141,34 @@ def _checks(seed: int) -> list[Check]:
     checks.append(Check(f"qwen3_layer 16 rows after 40, {hq}/{hkv}x{d}, H {H}", target_layer))
     checks.append(Check(f"drafter_layer 16 rows over 40, {hq}/{hkv}x{d}, H {H}",
                         lambda b: dk.drafter_layer(lx, layer(b, causal=False), k0[:40], v0[:40], backend=b)))
+    # Qwen3.5: a gated full-attention layer (q_proj [query | gate] per head, partial RoPE, (1 + w) norms)
+    # and a Gated DeltaNet layer (its conv and recurrent states advanced in place)
+    gw = {**lw, "self_attn.q_proj.weight": _store(f(2 * hq * d, H, s=0.05), "bfloat16")}
+
+    def gated_layer(b):
+        kc, vc = k0.copy(), v0.copy()
+        gl = dk.prepare_qwen3_layer(gw, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, norm_offset=1.0,
+                                    output_gate=True, rotary_dim=d // 4, backend=b)
+        return dk.qwen3_layer(lx, gl, kc, vc, 40, backend=b), kc, vc
+
+    checks.append(Check(f"qwen3_layer, Qwen3.5 gated, 16 rows after 40, {hq}/{hkv}x{d}, H {H}", gated_layer))
+    n_k, n_v, d_k, d_v = 2, 4, 32, 48
+    C, vd = 2 * n_k * d_k + n_v * d_v, n_v * d_v
+    nw = {k: v for k, v in lw.items() if k.startswith(("mlp.", "input_", "post_"))}
+    for name, shape in (("in_proj_qkv", (C, H)), ("in_proj_z", (vd, H)), ("in_proj_b", (n_v, H)),
+                        ("in_proj_a", (n_v, H)), ("out_proj", (H, vd))):
+        nw[f"linear_attn.{name}.weight"] = _store(f(*shape, s=0.05), "bfloat16")
+    nw.update({"linear_attn.conv1d.weight": f(C, 1, 4, s=0.5), "linear_attn.A_log": f(n_v, s=0.5),
+               "linear_attn.dt_bias": f(n_v, s=0.5), "linear_attn.norm.weight": 1 + f(d_v, s=0.1)})
+    conv0, state0 = f(C, 3, s=0.5), f(n_v, d_k, d_v, s=0.1)
+
+    def deltanet_layer(b):
+        gl = dk.prepare_gated_deltanet_layer(nw, linear_num_key_heads=n_k, linear_num_value_heads=n_v,
+                                             linear_key_head_dim=d_k, linear_value_head_dim=d_v, backend=b)
+        cs, st = conv0.copy(), state0.copy()
+        return dk.gated_deltanet_layer(lx, gl, cs, st, backend=b), cs, st
+
+    checks.append(Check(f"gated_deltanet_layer 16 rows, {n_k}/{n_v} heads {d_k}x{d_v}, H {H}", deltanet_layer))
     # acceptance (exact)
     v, k = 2000, 15
     drafts = rng.integers(0, v, (4, k))
