@@ -342,9 +342,7 @@ class Qwen35Model(TargetBase):
         x = self.embed_rows(ids)  # (T, H) residual stream
         delta = None  # (T, H) MLP output not yet added to x
         for li, L in enumerate(self.layers):
-            if self.fused_layers:
-                if delta is not None:  # the add the next norm would fuse: the same sum
-                    x, delta = x + delta, None
+            if self.fused_layers:  # x <- the whole layer (delta stays None)
                 if L.full is not None:
                     ops.qwen3_layer(x, L.full, cache.kv.k[L.slot], cache.kv.v[L.slot], start)
                 else:

@@ -100,14 +100,14 @@ cdef void _chunked_head(const float* v, const float* g, const float* beta, float
 
 cdef extern from *:
     """
-    /* The recurrence per value head, in C so that it can be compiled once and never inlined: with
+    /* The recurrence per value head, in C so that it can be compiled once, never inlined nor cloned: with
        -fassociative-math and -ffp-contract=fast an inlined copy may vectorise its sums differently at
        each call site, and gated_delta_rule (linear_attention.pyx) and the fused layer (gdn_layer.pxi)
        must give the same bits. */
 
     /* qn[t] = scale * l2norm(q[t]), kn[t] = l2norm(k[t]); q, k point at head kh of token 0, rows
        `row` floats apart */
-    static __attribute__((noinline)) void gdn_prepare_qk(const float *q, const float *k, Py_ssize_t T, Py_ssize_t row,
+    static __attribute__((noinline, noclone)) void gdn_prepare_qk(const float *q, const float *k, Py_ssize_t T, Py_ssize_t row,
                                                          int dk, float scale, int l2norm, float *qn, float *kn) {
         for (Py_ssize_t t = 0; t < T; t++) {
             float sq = 0.0f, sk = 0.0f;
@@ -155,7 +155,7 @@ cdef extern from *:
        (through the scratch blk from T = 2 on), so re-running a prefix of a block reproduces its
        checkpoints bit for bit. The last dv % 16 columns: the plain two-pass form, token by token, in
        place. Token t's state goes to checkpoint slot[t] when >= 0. */
-    static __attribute__((noinline)) void gdn_recurrent_head(const float *v, const float *g, const float *beta,
+    static __attribute__((noinline, noclone)) void gdn_recurrent_head(const float *v, const float *g, const float *beta,
                                                              float *S, const int64_t *slot, float *o, float *ckpts,
                                                              Py_ssize_t T, int Hv, int h, int dk, int dv,
                                                              const float *qn, const float *kn, float *blk) {
@@ -183,7 +183,7 @@ cdef extern from *:
     /* gated RMSNorm of one row (docs/models.md 2.7): out = w * (x / rms(x)) * silu(z). Compiled once,
        never inlined (as the row functions of dk_dense.h), so that gated_rms_norm and the fused layer
        give the same bits. */
-    static __attribute__((noinline)) void gdn_gated_norm_row(const float *restrict x, const float *restrict z,
+    static __attribute__((noinline, noclone)) void gdn_gated_norm_row(const float *restrict x, const float *restrict z,
                                                              const float *restrict w, long n, float eps,
                                                              float *restrict out) {
         float ss = 0.0f;
@@ -194,7 +194,7 @@ cdef extern from *:
 
     /* the gates of one row (H_v heads): beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), in
        overflow-free forms; once, never inlined, for gated_deltanet_gates and the fused layer */
-    static __attribute__((noinline)) void gdn_gates_row(const float *restrict a, const float *restrict b,
+    static __attribute__((noinline, noclone)) void gdn_gates_row(const float *restrict a, const float *restrict b,
                                                         const float *restrict neg_a, const float *restrict dt_bias,
                                                         long n, float *restrict g, float *restrict beta) {
         for (long h = 0; h < n; h++) {

@@ -1,4 +1,4 @@
-"""The fused Qwen3.5 Gated DeltaNet layer (dflash_kernels/layers.py ``gated_deltanet_layer``): a whole
+"""The fused Qwen3.5 Gated DeltaNet layer (dflash_kernels/gdn_layer.py ``gated_deltanet_layer``): a whole
 linear-attention decoder layer in one call.
 
 Included into dense.pyx after layers.pxi (linear_packed's paths, the row functions) and gdn_core.pxi
@@ -38,30 +38,31 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
         return
     if parts < 3:  # the vdpbf16ps rule is measured once, before the C code reads it
         bf16dot_pays()
-    # every intermediate in one block: h (norm outputs), proj, y (conv out), v, g, beta, o (delta
-    # rule), on (gated norm), ao (out_proj), x1 (residual), gu, act, mlp; then the per-thread scratch
-    # of the conv and of the recurrence. The conv reads its inputs in place from proj; y, g and beta
-    # go straight to the record buffers when given.
+    # the intermediates: h (norm outputs), ao (out_proj), x1 (residual), mlp, proj, y (conv out), v, o
+    # (delta rule), on (gated norm), g, beta, gu, act; then the per-thread scratch of the conv and of
+    # the recurrence. The conv reads its inputs in place from proj; y, g and beta go straight to the
+    # record buffers when given.
     cdef Py_ssize_t n_h = T * H, per_conv = (2 * Kc - 1) * CONV_CB, per_rule = 2 * T * dk + dk * BW
-    cdef float *buf = <float *> malloc((4 * n_h + T * nproj + T * C + 3 * T * vd + 2 * T * Hv + 3 * T * I
-                                        + nt_conv * per_conv + nt_rule * per_rule) * sizeof(float))
-    if buf == NULL:
-        raise MemoryError()
-    cdef float *hb = buf
-    cdef float *ao = hb + n_h
-    cdef float *x1 = ao + n_h
-    cdef float *mlp = x1 + n_h
-    cdef float *proj = mlp + n_h
-    cdef float *y = proj + T * nproj
-    cdef float *vb = y + T * C
-    cdef float *o = vb + T * vd
-    cdef float *on = o + T * vd
-    cdef float *gb = on + T * vd
-    cdef float *bb = gb + T * Hv
-    cdef float *gu = bb + T * Hv
-    cdef float *act = gu + 2 * T * I
-    cdef float *conv_scratch = act + T * I
-    cdef float *rule_scratch = conv_scratch + nt_conv * per_conv
+    cdef bint own
+    cdef float *ws = _take_workspace(4 * _lines(n_h) + _lines(T * nproj) + _lines(T * C) + 3 * _lines(T * vd)
+                                     + 2 * _lines(T * Hv) + _lines(2 * T * I) + _lines(T * I)
+                                     + _lines(nt_conv * per_conv) + _lines(nt_rule * per_rule), &own)
+    cdef float *cur = ws
+    cdef float *hb = _carve(&cur, n_h)
+    cdef float *ao = _carve(&cur, n_h)
+    cdef float *x1 = _carve(&cur, n_h)
+    cdef float *mlp = _carve(&cur, n_h)
+    cdef float *proj = _carve(&cur, T * nproj)
+    cdef float *y = _carve(&cur, T * C)
+    cdef float *vb = _carve(&cur, T * vd)
+    cdef float *o = _carve(&cur, T * vd)
+    cdef float *on = _carve(&cur, T * vd)
+    cdef float *gb = _carve(&cur, T * Hv)
+    cdef float *bb = _carve(&cur, T * Hv)
+    cdef float *gu = _carve(&cur, 2 * T * I)
+    cdef float *act = _carve(&cur, T * I)
+    cdef float *conv_scratch = _carve(&cur, nt_conv * per_conv)
+    cdef float *rule_scratch = _carve(&cur, nt_rule * per_rule)
     if conv_out is not None:
         y = &conv_out[0, 0]
     if g_out is not None:
@@ -78,8 +79,9 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
     cdef int64_t *slots = <int64_t *> malloc(T * sizeof(int64_t))
     cdef int nt_h = _threads(n_h, PARALLEL_ELEMS, n_threads)
     cdef int nt_i = _threads(T * I, PARALLEL_ELEMS, n_threads)
+    cdef int nt_v = _threads(T * vd, PARALLEL_ELEMS, n_threads)
     if slots == NULL:
-        free(buf)
+        _give_workspace(ws, own)
         raise MemoryError()
     try:
         for t in range(T):
@@ -109,8 +111,8 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
             kn = qn + T * dk
             gdn_prepare_qk(y + (h // group) * dk, y + kd + (h // group) * dk, T, C, <int> dk, scale, True, qn, kn)
             gdn_recurrent_head(vb, gb, bb, &state[h, 0, 0], slots, o, NULL, T, <int> Hv, h, <int> dk, <int> dv, qn, kn,
-                            kn + T * dk)
-        for r in prange(T * Hv, nogil=True, num_threads=n_threads, schedule="static"):
+                               kn + T * dk)
+        for r in prange(T * Hv, nogil=True, num_threads=nt_v, schedule="static"):
             t = r // Hv
             gdn_gated_norm_row(o + r * dv, proj + t * nproj + C + (r % Hv) * dv, &w_norm[0], dv, eps, on + r * dv)
         _linear_packed_run(on, T, vd, H, &w_out[0], bf16, NULL, ao, n_threads, parts, finite_mask & 2)
@@ -124,5 +126,5 @@ def gated_deltanet_layer(float[:, ::1] x, const float[::1] w_in, const wtype[::1
             for j in range(H):
                 xp[t * H + j] = mlp[t * H + j] + x1[t * H + j]
     finally:
-        free(buf)
+        _give_workspace(ws, own)
         free(slots)
