@@ -17,6 +17,8 @@ SHARED = {
 num_accepted : ndarray or torch.Tensor, shape (B,)
     int64 accepted drafts per sequence, in [0, num_draft[b]]; 0-d for unbatched inputs.""",
     # the decoder-layer ops
+    "layer_rows": """x : ndarray or torch.Tensor, shape (T, H)
+    Rows of the residual stream, float32 (bf16 is upcast).""",
     "layer_precision": """precision : {"highest", "high", "medium"}, optional
     As ``linear``; None = the process default.""",
     # the two attention ops

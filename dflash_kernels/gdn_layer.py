@@ -232,8 +232,7 @@ def gated_deltanet_layer(x: Array, layer: GatedDeltaNetLayer, conv_state: Array,
 
     Parameters
     ----------
-    x : ndarray or torch.Tensor, shape (T, H)
-        Rows of the residual stream, float32 (bf16 is upcast).
+    {layer_rows}
     layer : GatedDeltaNetLayer
         The layer's weights (``prepare_gated_deltanet_layer``).
     conv_state : ndarray or torch.Tensor, shape (C, K-1)

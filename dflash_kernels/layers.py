@@ -266,8 +266,7 @@ def qwen3_layer(x: Array, layer: Qwen3Layer, k_cache: Array, v_cache: Array, sta
 
     Parameters
     ----------
-    x : ndarray or torch.Tensor, shape (T, H)
-        Rows of the residual stream, float32 (bf16 is upcast).
+    {layer_rows}
     layer : Qwen3Layer
         The layer's weights (``prepare_qwen3_layer``).
     k_cache, v_cache : ndarray or torch.Tensor, shape (max_len, H_kv, D)
