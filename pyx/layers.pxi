@@ -36,9 +36,9 @@ cdef float *_take_workspace(Py_ssize_t floats, bint *own) except? NULL:
     """A 64-byte aligned block of `floats` floats for one fused-layer call (with the GIL held).
 
     The layers' intermediates are large at prefill (150-180 MB at 512 rows of the 9B shape), above
-    glibc's mmap threshold when allocated per call: every call faulted in and zeroed fresh pages, a
-    quarter of its time (the fused layers ran 0.77-0.91x the composed ops at 512 rows, whose numpy
-    outputs are freed and reused one by one). So one block is kept and grown to the largest call;
+    glibc's mmap threshold when allocated per call: every call faulted in and zeroed fresh pages
+    (a 4-layer 9B prefill of 512 tokens took 913 ms fused against 710 ms composed, whose numpy
+    outputs are freed and reused one by one; docs/benchmarks.md, session 19). So one block is kept and grown to the largest call;
     a call that finds it taken (another thread, re-entry) allocates its own (own = True)."""
     global _workspace, _workspace_floats, _workspace_busy
     cdef float *p
