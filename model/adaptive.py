@@ -7,7 +7,7 @@ C(k) seconds on this machine (C(0): an autoregressive step; C(k >= 1): a drafter
 
 Both are estimated online from the rounds the engine runs anyway:
 - ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
-  drafts, shrunk toward the prior PRIOR_ACCEPT ** j. (Starting a request from the acceptance the
+  drafts, each shrunk toward PRIOR_ACCEPT times the estimate at j - 1. (Starting a request from the acceptance the
   last one learnt instead, tried in session 13, cost SmolLM2's auto 10-20%: its prompts differ,
   and a request after a poor one no longer tried the drafts that paid for it.)
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
@@ -60,11 +60,19 @@ class AcceptanceEstimate:
 
     @property
     def survival(self) -> np.ndarray:
-        """S_j, made non-increasing in j as a survival is: the positions a short k leaves unseen keep
-        their prior, which alone would price a deep draft above the shallow ones measured to fail
-        (SmolLM2 at T = 0.7: k = 15 rounds among the k = 3 ones that barely paid)."""
-        raw = (self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT)
-        return np.minimum.accumulate(raw)
+        """S_j, non-increasing in j as a survival is. Position j's counts are shrunk toward
+        S_{j-1} times the prior's own ratio at j (PRIOR_ACCEPT): the positions a short k leaves
+        unseen continue the acceptance measured where it ran. (Shrunk toward the fixed prior
+        PRIOR_ACCEPT ** j, as before session 20, they sank to it while k = 3 rounds accepted all
+        their drafts: on the stdlib pair auto then stayed at k = 3 where k = 15 committed 1.3x more
+        per second; bench/auto_trace.py.)"""
+        hits, trials, prior = self.hits.tolist(), self.trials.tolist(), self.prior.tolist()
+        out, before = [], 1.0  # S_{j-1}
+        for j, p in enumerate(prior):
+            toward = before * p / (prior[j - 1] if j else 1.0)
+            before = min(before, (hits[j] + PRIOR_WEIGHT * toward) / (trials[j] + PRIOR_WEIGHT))
+            out.append(before)
+        return np.array(out)
 
     def observe(self, k: int, accepted: int) -> None:
         """A round drafted k tokens and accepted the first `accepted`. An autoregressive step (k = 0)
@@ -178,7 +186,11 @@ class AutoK:
 
     An autoregressive step says nothing about acceptance, so once the estimate favours k = 0 it
     would never learn that drafting pays again: after PROBE_EVERY autoregressive steps in a row,
-    one round drafts the best k > 0 anyway. A probe after which k = 0 still wins doubles the
+    one round drafts k_max anyway, which shows every position. (A probe of the best k > 0 under
+    the estimate that had just lost to k = 0 was mostly a k = 2 or 3, whose few drafts seldom
+    changed the estimate: on the stdlib pair auto spent 600-800 of its 900 rounds on
+    autoregressive steps where k = 15 ran 1.6x faster; bench/auto_ab.py, session 20.) A probe
+    after which k = 0 still wins doubles the
     interval (up to PROBE_MAX): where drafts never pay (sampling at T = 0.7 on the shipped pair),
     a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling,
     tried instead, kept choosing autoregressive steps from pessimistic draws: 2245 against 2812
@@ -203,7 +215,7 @@ class AutoK:
         self.probing = False
         self.short_run = 0  # drafting rounds since the last that drafted k_max
         self.long_interval, self.long_probing = LONG_PROBE_EVERY, False
-        self._inputs, self._choice = (None, None), (0, 0)  # _best()'s cache
+        self._inputs, self._choice = (None, None), 0  # _best()'s cache
 
     def choose(self) -> int:
         self.rounds += 1
@@ -213,7 +225,7 @@ class AutoK:
             return self.k_max
         if not self.cost.ar_timed:
             return 0  # autoregressive steps, to know what a round must beat
-        best, best_drafting = self._best()
+        best = self._best()
         if self.rounds == 1:  # later requests start where the last one ended
             k = min(self.cost.last_k, self.k_max)
         else:
@@ -226,7 +238,7 @@ class AutoK:
             self.ar_run += 1
             if self.ar_run >= self.interval:
                 self.ar_run, self.probing = 0, True
-                k = best_drafting
+                k = self.k_max
         else:
             self.ar_run = 0
         if self.long_probing:  # the round after a long probe: did it change the decision?
@@ -241,15 +253,14 @@ class AutoK:
             self.short_run = 0
         return k
 
-    def _best(self) -> tuple[int, int]:
-        """(argmax over k >= 0, argmax over k >= 1) of E(k) / C(k), the first of equal rates as
-        np.argmax. Recomputed only when an estimate changed: both inputs are lists cached by their
-        owners until then, and most steps (autoregressive ones) change neither."""
+    def _best(self) -> int:
+        """The argmax over k of E(k) / C(k), the first of equal rates as np.argmax. Recomputed only
+        when an estimate changed: both inputs are lists cached by their owners until then, and most
+        steps (autoregressive ones) change neither."""
         expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
         if expected is not self._inputs[0] or costs is not self._inputs[1]:
             rate = [e / c for e, c in zip(expected, costs, strict=True)]
-            drafting = max(range(1, len(rate)), key=rate.__getitem__)
-            self._inputs, self._choice = (expected, costs), (0 if rate[0] >= rate[drafting] else drafting, drafting)
+            self._inputs, self._choice = (expected, costs), max(range(len(rate)), key=rate.__getitem__)
         return self._choice
 
     def observe(self, k: int, accepted: int, seconds: float) -> None:

@@ -24,11 +24,34 @@ def test_acceptance_counts_what_a_round_shows():
     assert a.trials.tolist() == [2, 2, 2, 1, 1, 0] and a.hits.tolist() == [2, 2, 1, 0, 0, 0]
     a.observe(0, 0)  # an autoregressive step says nothing about acceptance
     assert a.trials.tolist() == [2, 2, 2, 1, 1, 0]
-    w, prior = PRIOR_WEIGHT, PRIOR_ACCEPT ** np.arange(1, 7)
-    raw = (a.hits + w * prior) / (a.trials + w)
-    assert np.allclose(a.survival, np.minimum.accumulate(raw))  # a survival never rises with j
-    assert raw[5] == prior[5] > raw[4]  # never drafted: the prior, here above position 5's estimate
-    assert a.survival[5] == a.survival[4]
+    # each position's counts shrunk toward PRIOR_ACCEPT times the estimate before it, never above it
+    want, before = [], 1.0
+    for j in range(6):
+        before = min(before, (a.hits[j] + PRIOR_WEIGHT * PRIOR_ACCEPT * before) / (a.trials[j] + PRIOR_WEIGHT))
+        want.append(before)
+    assert np.allclose(a.survival, want)
+    b = AcceptanceEstimate(3, decay=1.0)
+    b.observe(1, 0)
+    b.observe(2, 2)  # position 2's counts alone (1 of 1) would put it above position 1 (1 of 2)
+    assert b.survival[1] == b.survival[0] < 0.7  # a survival never rises with j
+    assert a.survival[5] == PRIOR_ACCEPT * a.survival[4]  # never drafted: the estimate before it, times the prior
+
+
+def test_unseen_positions_continue_the_measured_trend():
+    """A short k says nothing about the positions past it: they continue the acceptance measured
+    where it ran. On the stdlib pair k = 3 rounds that accepted everything left the deep positions
+    at the fixed prior (0.8^j), and auto stayed at k = 3 where k = 15 committed 1.3x more per
+    second (bench/auto_trace.py, session 20)."""
+    sure, poor = AcceptanceEstimate(15), AcceptanceEstimate(15)
+    for _ in range(30):
+        sure.observe(3, 3)  # every draft of k = 3 accepted
+        poor.observe(3, 1)  # only the first
+    deep = PRIOR_ACCEPT ** np.arange(1, 13)
+    assert sure.survival[2] > 0.95 and np.allclose(sure.survival[3:], sure.survival[2] * deep)
+    assert sure.expected_tokens()[15] > 7.5  # the fixed prior's 0.8^j: 5.9 tokens
+    assert poor.survival[1] < 0.1 and np.allclose(poor.survival[3:], poor.survival[2] * deep)
+    fresh = AcceptanceEstimate(15)  # nothing seen: the prior itself
+    assert np.allclose(fresh.survival, PRIOR_ACCEPT ** np.arange(1, 16))
 
 
 def test_acceptance_decays_and_expected_tokens():
@@ -81,15 +104,16 @@ def test_a_k_timed_once_too_dear_is_run_again():
     cost = _cost(1.0, 8.0)  # a cold k = 15 round: 8 AR steps
     chooser = AutoK(k_max, cost)
     chooser.choose()
-    for _ in range(40):  # eight drafts accepted per round: E(15) = 9 tokens
-        chooser.observe(k_max, 8, 8.0)
+    for i in range(40):  # every draft accepted in half the rounds, four in the others: E(15) = 10.5
+        chooser.observe(k_max, k_max if i % 2 else 4, 8.0)
     picks = []
-    for _ in range(30):  # in steady state k = 15 costs 2 AR steps, a shorter k 1.5
+    for i in range(30):  # in steady state k = 15 costs 2 AR steps, a shorter k 1.5
         k = chooser.choose()
         picks.append(k)
-        chooser.observe(k, min(k, 8), 2.0 if k == k_max else 1.5)
+        chooser.observe(k, min(k, k_max if i % 2 else 4), 2.0 if k == k_max else 1.5)
     assert 0 < picks[0] < k_max and k_max in picks[:4]  # tried again once the short k has run twice
     assert cost.est[k_max] == 2.0 and cost.costs(k_max)[k_max] == 2.0
+    assert picks[-5:] == [k_max] * 5
 
 
 def _cost(ar, draft, k_max=15):
@@ -125,10 +149,11 @@ def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes():
         chooser.observe(k_max, 0, 3.0)
     picks = [chooser.choose() for _ in range(PROBE_EVERY)]
     assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
-    assert picks[-1] > 0  # after PROBE_EVERY autoregressive steps, one drafting round anyway
+    # after PROBE_EVERY autoregressive steps, one drafting round anyway, of k_max: it sees every position
+    assert picks[-1] == k_max
     chooser.observe(picks[-1], 0, 3.0)  # the probe's drafts are rejected too
     picks = [chooser.choose() for _ in range(2 * PROBE_EVERY)]
-    assert picks[:-1] == [0] * (2 * PROBE_EVERY - 1) and picks[-1] > 0  # the interval doubled
+    assert picks[:-1] == [0] * (2 * PROBE_EVERY - 1) and picks[-1] == k_max  # the interval doubled
 
 
 def test_autok_prefers_short_k_when_deep_positions_fail():
@@ -157,8 +182,8 @@ def test_autok_tries_a_short_k_when_the_longest_does_not_pay():
     k = chooser.choose()
     assert 0 < k < k_max
     picks = []
-    for _ in range(20):  # what a short round really costs: 1.5 AR steps for ~3 tokens
-        chooser.observe(k, min(k, 2), 4.0 if k == k_max else 1.5)
+    for _ in range(20):  # what a short round really costs: 1.5 AR steps for ~3 tokens, more per draft
+        chooser.observe(k, min(k, 2), 4.0 if k == k_max else 1.4 + 0.05 * k)
         k = chooser.choose()
         picks.append(k)
     assert k == 2
