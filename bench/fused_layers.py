@@ -11,7 +11,7 @@ cache, whose recurrent states cannot be cropped, is rewound to the prompt's copy
     python bench/fused_layers.py --target ~/.cache/dflash_kernels/SmolLM2-135M-Instruct.Q4_1.gguf \
         --drafter model/default/smollm2-drafter
     python bench/scale.py --shape Qwen3.5-0.8B --keep /tmp/q08 --ks 15 --repeats 1   # writes a random pair
-    python bench/fused_layers.py --target /tmp/q08/target --drafter /tmp/q08/drafter
+    python bench/fused_layers.py --target /tmp/q08/target --drafter /tmp/q08/drafter --precision medium
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from dflash_kernels.model import load
+from dflash_kernels.runtime import PRECISIONS
 
 
 def _rewind(cache, prompt_state) -> None:
@@ -51,8 +52,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="forwards per timing")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--precision", default=None, choices=PRECISIONS,
+                    help="the target's matmul precision (default: the model's default, \"highest\")")
     a = ap.parse_args(argv)
-    eng = load(a.target, a.drafter, n_threads=a.threads)
+    eng = load(a.target, a.drafter, n_threads=a.threads, precision=a.precision)
     t, d = eng.target, eng.drafter
     if not t.fused_layers:
         raise SystemExit("this backend has no fused layers (they are Cython's)")
