@@ -16,8 +16,24 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import statistics
 import sys
+
+
+def load_adaptive(path: str):
+    """Another version's model/adaptive.py as a module. Its AutoK takes this engine's arguments: a
+    version from before AutoK(..., sampled=) (session 20) ignores that one."""
+    spec = importlib.util.spec_from_file_location("dflash_kernels.model.adaptive_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if "sampled" not in inspect.signature(module.AutoK).parameters:
+        class AutoK(module.AutoK):
+            def __init__(self, k_max, cost, prior=None, *, sampled=False):
+                super().__init__(k_max, cost, prior)
+
+        module.AutoK = AutoK
+    return module
 
 
 def main(argv=None) -> int:
@@ -40,9 +56,7 @@ def main(argv=None) -> int:
     from dflash_kernels.model.benchmark import load_prompts
     from dflash_kernels.model.defaults import load_default
 
-    spec = importlib.util.spec_from_file_location("dflash_kernels.model.adaptive_other", args.other)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
+    other = load_adaptive(args.other)
     eng = load_default(args.model, n_threads=args.threads)
     prompts = load_prompts(None, args.n_prompts, eng)
     eng.generate(prompts[0], 8, num_speculative_tokens="auto")  # warm-up

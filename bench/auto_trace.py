@@ -12,8 +12,11 @@ Engine's round-cost estimates C(k) (RoundCost.est, ms): the fastest recent round
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from auto_ab import load_adaptive  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,9 +34,7 @@ def main(argv=None) -> int:
     from dflash_kernels.model import adaptive
 
     if args.adaptive:
-        spec = importlib.util.spec_from_file_location("dflash_kernels.model.adaptive_other", args.adaptive)
-        adaptive = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(adaptive)
+        adaptive = load_adaptive(args.adaptive)
     from dflash_kernels.model.benchmark import load_prompts
     from dflash_kernels.model.defaults import load_default
 

@@ -132,6 +132,8 @@ class RoundCost:
         self.draft_timed = False  # a drafting round (k >= 1) timed
         # the k the Engine's last "auto" request ended with: the next request starts there (AutoK)
         self.last_k: int | None = None
+        # the probe interval a sampled request starts with: the last sampled request's (AutoK)
+        self.sampled_probe_interval = PROBE_EVERY
 
     def observe(self, k: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or not 0 <= k < len(self.est):
@@ -194,9 +196,14 @@ class AutoK:
     interval (up to PROBE_MAX): where drafts never pay (sampling at T = 0.7 on the shipped pair),
     a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling,
     tried instead, kept choosing autoregressive steps from pessimistic draws: 2245 against 2812
-    tokens/s for k = 15 on the shipped pair's held-out prompts.) Each request starts that schedule
-    afresh: carried over from the last request, as before session 18, a poor prompt's interval of
-    32-128 left the next, well-predicted one on autoregressive steps for most of its tokens.
+    tokens/s for k = 15 on the shipped pair's held-out prompts.) A greedy request starts that
+    schedule afresh: carried over from the last request, as before session 18, a poor prompt's
+    interval of 32-128 left the next, well-predicted one on autoregressive steps for most of its
+    tokens (greedy acceptance differs by prompt: tau 1.0 to 10.6 at k = 15 on the stdlib pair's
+    held-out prompts). A sampled request starts with the last sampled request's interval: there
+    the sampling decides most of the acceptance. At T = 0.7 on the stdlib pair, where no draft
+    pays, the fresh schedule's four failed probes per 128-token request cost 11% against
+    autoregressive decoding (bench/auto_ab.py, session 20).
 
     Likewise a short k says nothing about the positions past it, whose estimate then only decays
     toward the prior: after LONG_PROBE_EVERY drafting rounds shorter than k_max in a row, one round
@@ -206,11 +213,11 @@ class AutoK:
     with `bench/auto_ab.py` (docs/benchmarks.md, session 18).
     """
 
-    def __init__(self, k_max: int, cost: RoundCost, prior=None):
-        self.k_max, self.cost = k_max, cost
+    def __init__(self, k_max: int, cost: RoundCost, prior=None, *, sampled: bool = False):
+        self.k_max, self.cost, self.sampled = k_max, cost, sampled
         self.acceptance = AcceptanceEstimate(k_max, prior)
         self.ar_run = 0  # autoregressive steps since the last drafting round
-        self.interval = PROBE_EVERY
+        self.interval = cost.sampled_probe_interval if sampled else PROBE_EVERY
         self.rounds = 0
         self.probing = False
         self.short_run = 0  # drafting rounds since the last that drafted k_max
@@ -233,6 +240,8 @@ class AutoK:
             if self.probing:  # the round after a probe: did it change the decision?
                 self.probing = False
                 self.interval = PROBE_EVERY if k > 0 else min(2 * self.interval, PROBE_MAX)
+                if self.sampled:
+                    self.cost.sampled_probe_interval = self.interval
         self.cost.last_k = k
         if k == 0:
             self.ar_run += 1

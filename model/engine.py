@@ -354,7 +354,7 @@ class _Run:
         m, ops, target, drafter = self.m, self.ops, self.target, self.drafter
         use_draft = k > 0
         # acceptance is learnt afresh per request (the prompt decides it); the cost is the Engine's
-        chooser = AutoK(k, self.eng.round_cost) if auto else None
+        chooser = AutoK(k, self.eng.round_cost, sampled=self.temperature > 0) if auto else None
         cache, ctx = self.eng._caches()
         # auto: taps not yet in the drafter's context (the prompt's, then those of autoregressive
         # steps), added in one GEMM when a round drafts; a request that never drafts never pays

@@ -212,6 +212,23 @@ def test_a_request_starts_where_the_last_one_ended():
     assert AutoK(k_max, cost).choose() == k_max  # never more than this request allows
 
 
+def test_a_sampled_request_starts_with_the_last_sampled_probe_interval():
+    """Sampling decides most of the acceptance at T > 0: a sampled request probes on the schedule
+    the last sampled one reached, a greedy request on a fresh one."""
+    k_max = 15
+    cost = _cost(1.0, 3.0)
+    first = AutoK(k_max, cost, sampled=True)
+    first.choose()
+    for _ in range(60):  # nothing accepted: the probes grow further apart
+        first.observe(k_max, 0, 3.0)
+    for _ in range(7 * PROBE_EVERY):
+        k = first.choose()
+        first.observe(k, 0, 3.0 if k else 1.0)
+    assert first.interval >= 4 * PROBE_EVERY and cost.sampled_probe_interval == first.interval
+    assert AutoK(k_max, cost, sampled=True).interval == first.interval
+    assert AutoK(k_max, cost).interval == PROBE_EVERY  # greedy: afresh
+
+
 def test_autok_decision_follows_each_new_estimate():
     """choose() reuses its argmax while neither estimate changed; a change is seen at once."""
     k_max = 15
