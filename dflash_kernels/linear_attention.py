@@ -324,8 +324,10 @@ def conv_state_at(conv_state_before: Array, x: Array, n: int) -> Array:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= xa.shape[0]:
         raise ValueError(f"n must be an int in [0, {xa.shape[0]}], got {n!r}")
     km1 = sa.shape[1]
-    xpad = np.concatenate([sa.T, xa], axis=0)  # (K-1+T, C)
-    out = np.ascontiguousarray(xpad[n : n + km1].T, dtype=np.float32)
+    out = np.empty_like(sa, dtype=np.float32)  # rows n .. n+K-2 of [state^T ; x], only those copied
+    old = max(0, km1 - n)  # of them from the old state
+    out[:, :old] = sa[:, km1 - old:]
+    out[:, old:] = xa[n - (km1 - old) : n].T
     return wrap(out, any_torch(conv_state_before, x))
 
 
