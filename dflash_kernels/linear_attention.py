@@ -323,12 +323,20 @@ def conv_state_at(conv_state_before: Array, x: Array, n: int) -> Array:
         raise ValueError(f"x must have C={sa.shape[0]} channels like conv_state_before, got {xa.shape[1]}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= xa.shape[0]:
         raise ValueError(f"n must be an int in [0, {xa.shape[0]}], got {n!r}")
-    km1 = sa.shape[1]
-    out = np.empty_like(sa, dtype=np.float32)  # rows n .. n+K-2 of [state^T ; x], only those copied
-    old = max(0, km1 - n)  # of them from the old state
-    out[:, :old] = sa[:, km1 - old:]
-    out[:, old:] = xa[n - (km1 - old) : n].T
-    return wrap(out, any_torch(conv_state_before, x))
+    return wrap(conv_state_rows(sa, xa, n), any_torch(conv_state_before, x))
+
+
+def conv_state_rows(conv_state_before: np.ndarray, x: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """conv_state_at on checked float32 arrays, into out (C, K-1) when given: rows n .. n+K-2 of
+    [conv_state_before^T ; x], only those copied. For callers that hold valid arrays (the Qwen3.5
+    rollback, once per Gated DeltaNet layer)."""
+    km1 = conv_state_before.shape[1]
+    if out is None:
+        out = np.empty(conv_state_before.shape, np.float32)
+    old = max(0, km1 - n)  # rows from the old state
+    out[:, :old] = conv_state_before[:, km1 - old :]
+    out[:, old:] = x[n - (km1 - old) : n].T
+    return out
 
 
 @shared_doc

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_kernels import GatedDeltaNetLayer, Qwen3Layer, gated_deltanet_gates
-from dflash_kernels.linear_attention import conv_state_at, gated_delta_rule
+from dflash_kernels.linear_attention import conv_state_rows, gated_delta_rule
 
 from ._ops import Ops
 from ._target import TargetBase
@@ -173,7 +173,7 @@ class HybridCache:
         for s in range(self.state.shape[0]):
             self.state[s] = rec.state_before[s]
             rule(*(a[:j] for a in rec.inputs[s]), self.state[s])  # the kept rows again, in place
-            self.conv[s] = conv_state_at(rec.conv_before[s], rec.mixed[s], j)
+            conv_state_rows(rec.conv_before[s], rec.mixed[s], j, out=self.conv[s])
         self.length = length
 
 
