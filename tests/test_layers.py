@@ -114,7 +114,15 @@ def test_drafter_layer_matches_reference(kernel_backend, cfg, causal, seed):
                                    **_qwen35_args(cfg))
     got = dk.drafter_layer(x, layer, k0[:cfg["start"]], v0[:cfg["start"]], backend=kernel_backend,
                            n_threads=cfg["threads"])
-    assert_close(got, _reference_layer(w, cfg, x, k0, v0, freq, causal), **TOLERANCE_LONG, what="drafter_layer")
+    _assert_close_layer(got, _reference_layer(w, cfg, x, k0, v0, freq, causal), what="drafter_layer")
+
+
+def _assert_close_layer(got, expected, what):
+    """TOLERANCE_LONG, its atol scaled by the output's size past 20: fp32 sums carry errors relative
+    to their largest terms, and with a Qwen3.5 layer's (1 + w) norms the residual stream reaches ~100
+    here, where an element that cancels to 0.17 came out 2.5e-4 off on every backend (torch too)."""
+    scale = max(1.0, float(np.abs(np.asarray(expected)).max()) / 20)
+    assert_close(got, expected, rtol=TOLERANCE_LONG["rtol"], atol=TOLERANCE_LONG["atol"] * scale, what=what)
 
 
 def _reference_layer(w, cfg, x, k_cache, v_cache, freq, causal=True):
@@ -165,7 +173,7 @@ def test_qwen3_layer_matches_reference(kernel_backend, cfg, seed):
                                    sliding_window=cfg["window"], backend=kernel_backend, **_qwen35_args(cfg))
     got = dk.qwen3_layer(x, layer, k0.copy(), v0.copy(), cfg["start"], backend=kernel_backend,
                          n_threads=cfg["threads"])
-    assert_close(got, _reference_layer(w, cfg, x, k0, v0, freq), **TOLERANCE_LONG, what="qwen3_layer")
+    _assert_close_layer(got, _reference_layer(w, cfg, x, k0, v0, freq), what="qwen3_layer")
 
 
 def test_qwen3_layer_torch_tensors_and_prefix():
