@@ -7,9 +7,9 @@ C(k) seconds on this machine (C(0): an autoregressive step; C(k >= 1): a drafter
 
 Both are estimated online from the rounds the engine runs anyway:
 - ``AcceptanceEstimate`` (per request): decayed counts of the rounds that accepted at least j
-  drafts, each shrunk toward PRIOR_ACCEPT times the estimate at j - 1. (Starting a request from the acceptance the
-  last one learnt instead, tried in session 13, cost SmolLM2's auto 10-20%: its prompts differ,
-  and a request after a poor one no longer tried the drafts that paid for it.)
+  drafts, each shrunk toward PRIOR_ACCEPT times the estimate at j - 1. (Starting a request from
+  the acceptance the last one learnt instead, tried in session 13, cost SmolLM2's auto 10-20%: its
+  prompts differ, and a request after a poor one no longer tried the drafts that paid for it.)
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
   fastest recent round run at each k, greedy rounds of a fixed k included, interpolated between
   them and the autoregressive step (a least-squares line, tried first, extrapolated its early
@@ -17,8 +17,8 @@ Both are estimated online from the rounds the engine runs anyway:
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
 stretches and long rounds out of long stretches of short ones (``AutoK``). A later request
-starts at the k the Engine's last one ended with, not with the longest k again, and probes on its
-own schedule.
+starts at the k the Engine's last one ended with, not with the longest k again; a greedy one probes
+on its own schedule, a sampled one on the schedule the last sampled request reached.
 """
 
 from __future__ import annotations
@@ -192,9 +192,9 @@ class AutoK:
     the estimate that had just lost to k = 0 was mostly a k = 2 or 3, whose few drafts seldom
     changed the estimate: on the stdlib pair auto spent 600-800 of its 900 rounds on
     autoregressive steps where k = 15 ran 1.6x faster; bench/auto_ab.py, session 20.) A probe
-    after which k = 0 still wins doubles the
-    interval (up to PROBE_MAX): where drafts never pay (sampling at T = 0.7 on the shipped pair),
-    a fixed interval of 8 cost a drafting round per 8 steps, ~20% of the time. (Thompson sampling,
+    after which k = 0 still wins doubles the interval (up to PROBE_MAX): where drafts never pay
+    (sampling at T = 0.7 on the shipped pair), a fixed interval of 8 cost a drafting round per 8
+    steps, ~20% of the time. (Thompson sampling,
     tried instead, kept choosing autoregressive steps from pessimistic draws: 2245 against 2812
     tokens/s for k = 15 on the shipped pair's held-out prompts.) A greedy request starts that
     schedule afresh: carried over from the last request, as before session 18, a poor prompt's
