@@ -1,6 +1,7 @@
 """Acceptance vs the torch pipelines a torch user would write, at the verification shape.
 
-Verify round: B=1, k=15 drafts, 16 target rows over the Qwen3 vocabulary (151936).
+Verify round: B=1, k=15 drafts, 16 target rows over the Qwen3 vocabulary (151936). A sampling
+drafter's step (``sample_filtered``): 15 rows of drafter logits over the same vocabulary.
 
 Goals vs results (2026-12-02, docs/benchmarks.md): rejection_sample 31x the torch pipeline (goal 20x:
 met). Greedy verification through the LM head 1.33x (goal 4x: missed): 5 GFLOP of fp32 matmul that torch
@@ -91,3 +92,24 @@ def test_greedy_verify(benchmark, contender, target_head):
     benchmark(fn)
     record(benchmark, flops=2.0 * BLOCK * V * QWEN3_0_6B.hidden, bytes_moved=lm_head.numel() * 4,
            shape=f"{QWEN3_0_6B.name} head 16x{QWEN3_0_6B.hidden}x{V} fp32")
+
+
+def torch_sample_filtered(logits, temperature):
+    """What a torch drafter writes: softmax at the temperature, one multinomial draw per row."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1)[:, 0], probs
+
+
+def test_sample_filtered(benchmark, contender):
+    logits = torch.randn(K, V, generator=torch.Generator().manual_seed(0)) * 2.0
+    if contender == "torch-peer":
+        def fn():
+            return torch_sample_filtered(logits, 0.7)
+    else:
+        x = logits.numpy()
+
+        def fn():
+            return dk.sample_filtered(x, 0.7, generator=1, backend=contender, n_threads=THREADS)
+    fn()  # warm-up (JIT)
+    benchmark(fn)
+    record(benchmark, bytes_moved=logits.numel() * 8, shape=f"T={K} V={V} temperature 0.7")

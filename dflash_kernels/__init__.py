@@ -30,7 +30,7 @@ from ._config import show_config
 from ._isa import active_tier, set_isa
 from ._precision import bf16_dot_pays, get_matmul_precision, set_matmul_precision
 from ._tensors import bf16_to_f32, f32_to_bf16
-from .acceptance import accept_greedy, filtered_probs, rejection_sample
+from .acceptance import accept_greedy, filtered_probs, rejection_sample, sample_filtered
 from .attention import cached_attention, injected_kv_attention
 from .bound import BoundOps
 from .denoise import denoise_block, make_draft_block
@@ -99,6 +99,7 @@ __all__ = [
     "gated_deltanet_gates",
     "make_draft_block",
     "rejection_sample",
+    "sample_filtered",
     "rms_norm",
     "show_config",
     "silu_and_mul",

@@ -202,12 +202,15 @@ def accept_greedy(draft_tokens: Array, target_tokens: Array, num_draft: Array | 
     return _finish(num_accepted, out, unbatched, any_torch(draft_tokens, target_tokens))
 
 
-def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
+@shared_doc
+def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, *,
+                   n_threads: int | None = None, backend: str = "auto") -> Array:
     """The sampling distribution of each row of ``logits``: softmax(logits / temperature) after top_k / top_p.
 
     The distribution is restricted by top_k and top_p and renormalised, by exactly the rule
     ``rejection_sample`` applies to target rows (ties at either threshold kept; temperature 0 =
-    one-hot argmax, first index). What a drafter that samples its drafts passes as ``draft_probs``.
+    one-hot argmax, first index). What a drafter that samples its drafts passes as ``draft_probs``;
+    ``sample_filtered`` also draws the drafts from it in the same pass.
 
     Parameters
     ----------
@@ -219,6 +222,7 @@ def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_
         Keep the logits >= the top_k-th largest; 0 = off.
     top_p : float, default 1.0
         Nucleus mass in (0, 1]; 1.0 = off.
+    {run_options}
 
     Returns
     -------
@@ -229,7 +233,8 @@ def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_
     ------
     ValueError
         If temperature, top_k or top_p is out of range, logits is not 2-D or has an empty vocabulary
-        axis, a row has NaN (or +inf when temperature > 0), or a row has no finite entry.
+        axis, a row has NaN (or +inf when temperature > 0), a row has no finite entry, or n_threads /
+        backend is invalid.
     TypeError
         If logits is not a float32 / bf16 array or tensor.
 
@@ -241,31 +246,87 @@ def filtered_probs(logits: Array, temperature: float = 1.0, top_k: int = 0, top_
     >>> dk.filtered_probs(logits, temperature=0.0)  # first index on ties
     array([[1., 0., 0.]], dtype=float32)
     """
+    return _filter_rows(logits, temperature, top_k, top_p, None, None, n_threads, backend)[1]
+
+
+@shared_doc
+def sample_filtered(logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, *,
+                    uniforms: Array | None = None, generator: Generator = None, n_threads: int | None = None,
+                    backend: str = "auto") -> tuple[Array, Array]:
+    """One token drawn from each row's filtered distribution, and the distributions: a sampling drafter's step.
+
+    probs[t] is ``filtered_probs(logits)[t]`` and tokens[t] is drawn from it by inverse CDF (the
+    first index, in index order, whose running sum exceeds uniforms[t] times the row's mass: the rule
+    ``rejection_sample`` draws its replacement and bonus tokens by). Passing the tokens as
+    ``draft_tokens`` and probs as ``draft_probs`` to ``rejection_sample`` gives lossless speculative
+    sampling; one compiled pass replaces filtered_probs plus a cumulative sum per row.
+
+    Parameters
+    ----------
+    logits : ndarray or torch.Tensor, shape (T, V)
+        float32 or bf16, V >= 1: a drafter's logits for T draft positions.
+    temperature : float, default 1.0
+        Finite, >= 0; 0 (or below 1e-6) = greedy: tokens are the argmax (first index), probs one-hot.
+    top_k : int, default 0
+        Keep the logits >= the top_k-th largest; 0 = off.
+    top_p : float, default 1.0
+        Nucleus mass in (0, 1]; 1.0 = off.
+    uniforms : ndarray or torch.Tensor, shape (T,), optional
+        Floats in [0, 1), one per row, used instead of drawing from generator.
+    generator : int, numpy.random.Generator or torch.Generator, optional
+        Without uniforms, they are drawn from it (None (default) = fresh entropy) as float64 (T,).
+    {run_options}
+
+    Returns
+    -------
+    tokens : ndarray or torch.Tensor, shape (T,)
+        int64 token ids.
+    probs : ndarray or torch.Tensor, shape (T, V)
+        float32 distributions the tokens were drawn from. Torch tensors if logits is one.
+
+    Raises
+    ------
+    ValueError
+        If temperature, top_k or top_p is out of range, logits is not 2-D or has an empty vocabulary
+        axis, a row has NaN (or +inf when temperature > 0) or no finite entry (the message names the
+        row), uniforms has another shape or values outside [0, 1), or n_threads / backend is invalid.
+    TypeError
+        If logits is not a float32 / bf16 array or tensor, uniforms is not a float array, or
+        generator is not one of the accepted kinds.
+
+    Examples
+    --------
+    >>> logits = np.log(np.array([[0.25, 0.75], [0.5, 0.5]], np.float32))
+    >>> tokens, probs = dk.sample_filtered(logits, uniforms=np.array([0.3, 0.3]))
+    >>> tokens  # 0.3 lies past token 0's mass 0.25 in row 0, inside its 0.5 in row 1
+    array([1, 0])
+    >>> probs.round(2)
+    array([[0.25, 0.75],
+           [0.5 , 0.5 ]], dtype=float32)
+    """
+    return _filter_rows(logits, temperature, top_k, top_p, uniforms, generator, n_threads, backend, draw=True)
+
+
+def _filter_rows(logits, temperature, top_k, top_p, uniforms, generator, n_threads, backend, draw=False):
+    """(tokens, probs) of sample_filtered; without draw, tokens only at temperature 0 (filtered_probs)."""
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     x = float_array(logits, "logits", ndim=2)
-    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).double()
-    if t.shape[1] == 0:
+    t_sz, v_sz = x.shape
+    if v_sz == 0:
         raise ValueError("logits must have a non-empty vocabulary axis")
-    if torch.isnan(t).any() or (temperature > 0 and torch.isposinf(t).any()):
-        raise ValueError("logits contain NaN or +inf")
-    if not torch.isfinite(t).any(dim=1).all():
-        raise ValueError("logits have a row with no finite entry (all -inf)")
-    v = t.shape[1]
-    if temperature == 0:
-        p = torch.zeros_like(t)
-        p[torch.arange(t.shape[0]), t.argmax(1)] = 1.0  # torch.argmax: first index of the maximum
-    else:
-        keep = torch.ones_like(t, dtype=torch.bool)
-        if 0 < top_k < v:
-            keep = t >= torch.topk(t, top_k, dim=1).values[:, -1:]
-        p = torch.softmax(torch.where(keep, t / temperature, torch.full_like(t, -math.inf)), dim=1)
-        if top_p < 1.0:
-            desc = torch.sort(p, dim=1, descending=True).values
-            reached = torch.cumsum(desc, 1) >= top_p
-            last = torch.where(reached.any(1), reached.int().argmax(1), (desc > 0).sum(1) - 1)
-            p = torch.where(p >= desc.gather(1, last[:, None]), p, torch.zeros_like(p))
-            p = p / p.sum(1, keepdim=True)
-    return wrap(p.float().numpy(), any_torch(logits))
+    u = None
+    if draw and temperature > 0:
+        u = draw_uniforms(generator, (t_sz,)) if uniforms is None else check_uniforms(uniforms, (t_sz,))
+    tokens = np.empty(t_sz, np.int64)
+    probs = np.empty((t_sz, v_sz), np.float32)
+    status = np.zeros(t_sz, np.int64)
+    run("acceptance", "sample_filtered", (x,), (tokens, probs, status), backend=backend, n_threads=n_threads,
+        uniforms=u, temperature=temperature, top_k=top_k, top_p=top_p)
+    bad = first_nonzero(status)
+    if bad >= 0:
+        raise ValueError(f"logits row {bad} {_STATUS[int(status[bad])]}")
+    torch_out = any_torch(logits)
+    return wrap(tokens, torch_out), wrap(probs, torch_out)
 
 
 @shared_doc

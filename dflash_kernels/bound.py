@@ -22,7 +22,7 @@ from ._backends import kernel_module, resolve
 from ._fastpath import FAST
 from ._precision import check_precision, parts as precision_parts
 from ._threads import ContentionGovernor, resolve_threads
-from .acceptance import accept_greedy, filtered_probs, rejection_sample
+from .acceptance import accept_greedy, filtered_probs, rejection_sample, sample_filtered
 from .attention import cached_attention, injected_kv_attention
 from .denoise import denoise_block
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
@@ -225,7 +225,11 @@ class BoundOps:
         return done if done is not None else accept_greedy(drafts, targets, **self.kw)
 
     def filtered_probs(self, logits, temperature, top_k, top_p):
-        return filtered_probs(logits, temperature, top_k, top_p)
+        return filtered_probs(logits, temperature, top_k, top_p, **self.kw)
+
+    def sample_filtered(self, logits, temperature, top_k, top_p, uniforms):
+        """(tokens (T,), probs (T, V)): a draw from each row's filtered distribution, and the distributions."""
+        return sample_filtered(logits, temperature, top_k, top_p, uniforms=uniforms, **self.kw)
 
     def rejection_sample(self, drafts, logits, temperature, top_k, top_p, generator, num_draft=None,
                          draft_probs=None):
@@ -236,4 +240,5 @@ class BoundOps:
     OPS = ("linear", "qwen3_layer", "drafter_layer", "gated_deltanet_layer", "rms_norm", "apply_rope", "silu_and_mul",
            "cached_attention",
            "injected_kv_attention", "argmax_tokens", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
-           "split_query_gate", "apply_output_gate", "accept_greedy", "filtered_probs", "rejection_sample")
+           "split_query_gate", "apply_output_gate", "accept_greedy", "filtered_probs", "sample_filtered",
+           "rejection_sample")

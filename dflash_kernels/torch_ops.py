@@ -195,6 +195,18 @@ def _(logits, temperature=1.0, top_k=0, top_p=1.0):
     return _new(logits, logits.shape)
 
 
+@torch.library.custom_op("dflash::sample_filtered", mutates_args=())
+def sample_filtered(logits: Tensor, uniforms: Tensor, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    tokens, probs = acceptance.sample_filtered(logits, temperature, top_k, top_p, uniforms=uniforms)
+    return _t(tokens).to(I64), _t(probs).to(F32)
+
+
+@sample_filtered.register_fake
+def _(logits, uniforms, temperature=1.0, top_k=0, top_p=1.0):
+    return _new(logits, logits.shape[:1], I64), _new(logits, logits.shape)
+
+
 # ---- Qwen3.5 linear attention ----------------------------------------------------------------------
 
 @torch.library.custom_op("dflash::gated_delta_rule", mutates_args=("state",))
@@ -265,4 +277,5 @@ def _(o, gate):
 
 OPS = (linear, linear_packed, rms_norm, rms_norm_residual, apply_rope, silu_and_mul, cached_attention,
        injected_kv_attention, denoise_block, make_draft_block, accept_greedy, rejection_sample, filtered_probs,
-       gated_delta_rule, causal_conv1d, conv_state_at, gated_rms_norm, split_query_gate, apply_output_gate)
+       sample_filtered, gated_delta_rule, causal_conv1d, conv_state_at, gated_rms_norm, split_query_gate,
+       apply_output_gate)

@@ -183,6 +183,8 @@ def _checks(seed: int) -> list[Check]:
                             lambda b, t=temp, tk=top_k, tp=top_p: dk.rejection_sample(
                                 drafts2, logits, temperature=t, top_k=tk, top_p=tp, generator=seed, backend=b),
                             exact=True))
+    checks.append(Check("sample_filtered T=0.7 top_p=0.9 k15", lambda b: dk.sample_filtered(
+        logits[0, :k], 0.7, 0, 0.9, generator=seed, backend=b)))
     return checks
 
 

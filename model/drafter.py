@@ -159,15 +159,12 @@ class DFlashDrafter:
     def draft_sampled(self, anchor: int, n_draft: int, cache: ContextCache, temperature: float, top_k: int,
                       top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """n_draft drafts sampled from the drafter's own distribution q (its logits under the request's
-        temperature / top_k / top_p, dk.filtered_probs), and q itself (n_draft, V): rejection sampling
+        temperature / top_k / top_p, dk.sample_filtered), and q itself (n_draft, V): rejection sampling
         with q accepts with probability sum_x min(p(x), q(x)) per position, where a one-hot (argmax)
         draft is accepted only with p(argmax)."""
         h = self.block_hidden(anchor, n_draft, cache)
-        q = self.ops.filtered_probs(self.ops.linear(h[1:], self.draft_head), temperature, top_k, top_p)
-        csum = np.cumsum(q, axis=1, dtype=np.float64)
-        u = rng.random(n_draft) * csum[:, -1]
-        # inverse CDF: the first index whose running sum exceeds u (so q > 0 there)
-        drafts = np.minimum((csum <= u[:, None]).sum(axis=1), q.shape[1] - 1).astype(np.int64)
+        drafts, q = self.ops.sample_filtered(self.ops.linear(h[1:], self.draft_head), temperature, top_k, top_p,
+                                             rng.random(n_draft))
         if self.draft_ids is None:
             return drafts, q
         # over a drafting vocabulary: q as rows over the target's vocabulary (0 outside the set),

@@ -12,3 +12,6 @@ def accept_greedy(drafts: I64, target: I64, num_draft: I64, num_accepted: I64, o
 def rejection_sample(drafts: I64, logits: Probs, draft_probs: Probs | None,
                      num_draft: I64, num_accepted: I64, out: I64, status: I64, *, n_threads: int,
                      uniforms: npt.NDArray[np.float64], temperature: float, top_k: int, top_p: float) -> None: ...
+def sample_filtered(logits: Probs, tokens: I64, probs: npt.NDArray[np.float32], status: I64, *, n_threads: int,
+                    uniforms: npt.NDArray[np.float64] | None, temperature: float, top_k: int,
+                    top_p: float) -> None: ...

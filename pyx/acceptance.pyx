@@ -151,3 +151,63 @@ def rejection_sample(const int64_t[:, ::1] drafts, logits, draft_probs, const in
         with nogil:
             run_batch(drafts, lu, qu, has_q, v_sz, num_draft, u, num_accepted, out, status, inv_t, greedy, top_k,
                       top_p, scratch, sums)
+
+
+cdef void filter_rows(const wtype *logits, Py_ssize_t t_sz, Py_ssize_t v_sz, float[:, ::1] probs,
+                      const double[::1] uniforms, bint draw, int64_t[::1] tokens, int64_t[::1] status,
+                      float inv_t, bint greedy, Py_ssize_t top_k, double top_p,
+                      float[:, ::1] work, double[:, ::1] sums) noexcept nogil:
+    cdef Py_ssize_t wk, t, j, best, n_workers = work.shape[0]
+    cdef double total
+    cdef float inv_total
+    cdef int st
+    cdef float *e
+    for wk in prange(n_workers, num_threads=n_workers, schedule="static"):
+        # fixed contiguous slices of the rows: the thread count cannot change a result
+        for t in range(wk * t_sz // n_workers, (wk + 1) * t_sz // n_workers):
+            e = &probs[t, 0]  # the row is processed in place in its output
+            load_row(logits + t * v_sz, e, v_sz)
+            if greedy:  # temperature 0: one-hot(argmax), first index
+                st = OK
+                best = row_argmax(e, v_sz, &st)
+                status[t] = st
+                for j in range(v_sz):
+                    e[j] = 0.0
+                e[best] = 1.0
+                tokens[t] = best
+                continue
+            total = 0.0  # assigned in the loop: private to each thread (see pyx/denoise.pyx)
+            st = prepare_row(e, v_sz, inv_t, top_k, top_p, &sums[wk, 0], &work[wk, 0], &total)
+            status[t] = st
+            if st != OK:
+                continue
+            tokens[t] = sample_row(e, v_sz, &sums[wk, 0], total, uniforms[t]) if draw else -1
+            inv_total = <float> (1.0 / total)
+            for j in range(v_sz):
+                e[j] = e[j] * inv_total
+
+
+def sample_filtered(logits, int64_t[::1] tokens, float[:, ::1] probs, int64_t[::1] status, *, int n_threads,
+                    uniforms, double temperature, Py_ssize_t top_k, double top_p):
+    cdef Py_ssize_t t_sz = logits.shape[0], v_sz = logits.shape[1]
+    if t_sz == 0:
+        return
+    cdef Py_ssize_t n_workers = max(1, min(n_threads, t_sz))
+    cdef float[:, ::1] work = np.empty((n_workers, v_sz), np.float32)
+    cdef double[:, ::1] sums = np.empty((n_workers, (v_sz + BS - 1) // BS), np.float64)
+    cdef bint draw = uniforms is not None
+    cdef const double[::1] u = uniforms if draw else np.zeros(1, np.float64)
+    cdef bint greedy = temperature == 0
+    cdef float inv_t = 0.0 if greedy else <float> (1.0 / temperature)
+    cdef const float[:, ::1] lf
+    cdef const unsigned short[:, ::1] lu
+    if logits.dtype == np.float32:
+        lf = logits
+        with nogil:
+            filter_rows(&lf[0, 0], t_sz, v_sz, probs, u, draw, tokens, status, inv_t, greedy, top_k, top_p, work,
+                        sums)
+    else:
+        lu = logits
+        with nogil:
+            filter_rows(&lu[0, 0], t_sz, v_sz, probs, u, draw, tokens, status, inv_t, greedy, top_k, top_p, work,
+                        sums)

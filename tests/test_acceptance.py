@@ -1,4 +1,5 @@
-"""accept_greedy / rejection_sample against the float64 torch reference (counts and tokens exactly)."""
+"""accept_greedy / rejection_sample / sample_filtered against the float64 torch reference (counts and tokens
+exactly)."""
 
 import numpy as np
 import pytest
@@ -314,10 +315,75 @@ def test_filtered_probs_is_the_rule_rejection_sample_applies(sampling):
             expect = ref.filtered_probs(torch.from_numpy(logits[r]).double(), temperature, top_k, top_p).numpy()
         np.testing.assert_allclose(got[r], expect, rtol=1e-6, atol=1e-7)
     assert isinstance(dk.filtered_probs(torch.from_numpy(logits), 1.0), torch.Tensor)
-    with pytest.raises(ValueError, match="no finite entry"):
+    with pytest.raises(ValueError, match="no finite logit"):
         dk.filtered_probs(np.full((1, 4), -np.inf, np.float32))
     with pytest.raises(ValueError, match="NaN"):
         dk.filtered_probs(np.array([[0.0, np.nan]], np.float32))
+
+
+@given(t=st.integers(0, 6), v=st.integers(1, 1500), sampling=SAMPLING, dtype=st.sampled_from(["float32", "bfloat16"]),
+       greedy=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_sample_filtered_matches_reference(backend, t, v, sampling, dtype, greedy, seed):
+    temperature, top_k, top_p = (0.0, 0, 1.0) if greedy else sampling
+    rng = np.random.default_rng(seed)
+    logits = make_float(rng, (t, v), dtype, scale=2.0)
+    logits_f = as_f64(logits)
+    if t > 1:
+        logits_f[1, : v // 2] = float("-inf")  # a row with tokens of probability 0
+        logits = logits_f.float().numpy() if dtype == "float32" else dk.f32_to_bf16(logits_f.float().numpy())
+    u = rng.random(t)
+    tokens, probs = dk.sample_filtered(logits, temperature, top_k, top_p, uniforms=u, backend=backend)
+    want_tokens, want_probs = ref.sample_filtered(logits_f, uniforms=u, temperature=temperature, top_k=top_k,
+                                                  top_p=top_p)
+    assert tokens.dtype == np.int64 and probs.dtype == np.float32 and probs.shape == (t, v)
+    np.testing.assert_array_equal(tokens, want_tokens.numpy())
+    np.testing.assert_allclose(probs, want_probs.numpy(), rtol=2e-6, atol=1e-7)
+    np.testing.assert_array_equal(probs, dk.filtered_probs(logits, temperature, top_k, top_p, backend=backend))
+    if t:
+        assert (probs[np.arange(t), tokens] > 0).all()
+
+
+def test_sample_filtered_draws_from_its_probs(backend):
+    """Tokens follow probs (a chi-square test over many uniforms), and a seed reproduces them."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((2, 12)) * 1.5).astype(np.float32)
+    draws = [dk.sample_filtered(logits, 0.8, 0, 0.9, generator=rng, backend=backend)[0] for _ in range(3000)]
+    _, probs = dk.sample_filtered(logits, 0.8, 0, 0.9, generator=0, backend=backend)
+    for row in range(2):
+        counts = np.bincount(np.array(draws)[:, row], minlength=12)
+        ok, stat, crit = chi2_ok(dict(enumerate(counts.tolist())), probs[row].astype(np.float64))
+        assert ok, f"row {row}: chi2 {stat:.1f} >= {crit:.1f}"
+    first = dk.sample_filtered(logits, 0.8, generator=7, backend=backend)[0]
+    np.testing.assert_array_equal(first, dk.sample_filtered(logits, 0.8, generator=7, backend=backend)[0])
+    tokens, probs = dk.sample_filtered(torch.from_numpy(logits), 0.0, backend=backend)
+    assert isinstance(tokens, torch.Tensor) and tokens.tolist() == np.argmax(logits, 1).tolist()
+    assert probs.sum(1).tolist() == [1.0, 1.0]
+
+
+def test_sample_filtered_bad_input():
+    logits = np.zeros((3, 5), np.float32)
+    with pytest.raises(ValueError, match="uniforms"):
+        dk.sample_filtered(logits, uniforms=np.zeros(2))
+    with pytest.raises(ValueError, match="uniforms"):
+        dk.sample_filtered(logits, uniforms=np.ones(3))
+    with pytest.raises(ValueError, match="temperature"):
+        dk.sample_filtered(logits, -1.0)
+    with pytest.raises(ValueError, match="non-empty vocabulary"):
+        dk.sample_filtered(np.zeros((3, 0), np.float32))
+    with pytest.raises(TypeError, match="logits"):
+        dk.sample_filtered(logits.astype(np.float64))
+    with pytest.raises(TypeError, match="generator"):
+        dk.sample_filtered(logits, generator="seed")
+    bad = logits.copy()
+    bad[2, 1] = np.nan
+    for b in dk.available_backends():
+        with pytest.raises(ValueError, match="logits row 2 contains NaN"):
+            dk.sample_filtered(bad, generator=0, backend=b)
+        bad[2, 1] = np.inf  # +inf is a valid maximum only when greedy
+        with pytest.raises(ValueError, match="logits row 2 contains"):
+            dk.sample_filtered(bad, 0.5, generator=0, backend=b)
+        assert dk.sample_filtered(bad, 0.0, backend=b)[0].tolist() == [0, 0, 1]
+        bad[2, 1] = np.nan
 
 
 @pytest.mark.parametrize("size", [0, 1, 5, 32, 33, 200])

@@ -44,6 +44,8 @@ def _cases():
     yield torch_ops.rejection_sample, (drafts, logits, torch.rand(2, 5, 2, generator=G, dtype=torch.float64)), {
         "temperature": 0.8, "top_p": 0.9}
     yield torch_ops.filtered_probs, (logits[0],), {"temperature": 0.7, "top_k": 10}
+    yield torch_ops.sample_filtered, (logits[0], torch.rand(5, generator=G, dtype=torch.float64)), {
+        "temperature": 0.7, "top_p": 0.9}
     yield torch_ops.gated_delta_rule, (randn(T, 2, D), randn(T, 2, D), randn(T, 4, D), -torch.rand(T, 4),
                                        torch.rand(T, 4), randn(4, D, D) * 0.1), {}
     yield torch_ops.causal_conv1d, (randn(T, 24), randn(24, 4), randn(24, 3)), {}
@@ -79,6 +81,8 @@ def test_op_equals_the_public_function(case):
         expect = dk.rms_norm(args2[0], args2[2], *args2[3:], residual=args2[1], **kwargs)
     elif name == "rejection_sample":
         expect = dk.rejection_sample(args2[0], args2[1], uniforms=args2[2], **kwargs)
+    elif name == "sample_filtered":
+        expect = dk.sample_filtered(args2[0], uniforms=args2[1], **kwargs)
     elif name == "linear_packed":  # the plain weight, unpacked from the tensor form
         w = dk.PackedWeight.from_data(args2[1], (args2[2], args2[3])).unpack()
         expect = dk.linear(args2[0], dk.pack_weight(w), **kwargs)

@@ -339,3 +339,42 @@ def rejection_sample(drafts, logits, draft_probs, num_draft, num_accepted, out, 
     with numba_threads(n_workers):
         _rejection_sample(drafts, logits, q, has_q, num_draft, uniforms, num_accepted, out, status,
                           inv_t, greedy, int(top_k), float(top_p), scratch, sums)
+
+
+@njit(parallel=True, **JIT)
+def _sample_filtered(logits, tokens, probs, status, uniforms, draw, inv_t, greedy, top_k, top_p, work, sums):
+    t_sz, v_sz = logits.shape
+    n_workers = work.shape[0]
+    for wk in prange(n_workers):  # fixed contiguous slices of the rows: thread count cannot matter
+        for t in range(wk * t_sz // n_workers, (wk + 1) * t_sz // n_workers):
+            e = probs[t]  # the row is processed in place in its output
+            if greedy:  # temperature 0: one-hot(argmax), first index
+                best, st = _argmax_row(logits[t], e, v_sz)
+                status[t] = st
+                e[:] = 0.0
+                e[best] = 1.0
+                tokens[t] = best
+                continue
+            total, st = prepare_row(logits[t], v_sz, inv_t, top_k, top_p, e, sums[wk], work[wk])
+            status[t] = st
+            if st != OK:
+                continue
+            tokens[t] = sample_row(e, v_sz, sums[wk], total, uniforms[t]) if draw else -1
+            inv_total = np.float32(1.0 / total)
+            for j in range(v_sz):
+                e[j] = e[j] * inv_total
+
+
+def sample_filtered(logits, tokens, probs, status, *, n_threads, uniforms, temperature, top_k, top_p):
+    t_sz, v_sz = logits.shape
+    if t_sz == 0:
+        return
+    n_workers = max(1, min(n_threads, t_sz))
+    work = np.empty((n_workers, v_sz), np.float32)
+    sums = np.empty((n_workers, (v_sz + BS - 1) // BS), np.float64)
+    draw = uniforms is not None
+    greedy = temperature == 0
+    inv_t = np.float32(0.0 if greedy else 1.0 / temperature)
+    with numba_threads(n_workers):
+        _sample_filtered(logits, tokens, probs, status, uniforms if draw else np.zeros(1), draw, inv_t, greedy,
+                         int(top_k), float(top_p), work, sums)

@@ -114,3 +114,22 @@ def rejection_sample(draft_tokens, target_logits, draft_probs, num_draft, *, uni
             break
         num_accepted[b] = int((out[b] >= 0).sum()) - 1
     return num_accepted, out
+
+
+def sample_filtered(logits, *, uniforms, temperature=1.0, top_k=0, top_p=1.0):
+    """logits (T, V) -> (tokens (T,), probs (T, V)): each row's filtered distribution (one-hot argmax
+    at temperature 0) and a draw from it by inverse CDF at uniforms[t] (uniforms None: tokens -1,
+    except the argmax at temperature 0)."""
+    tokens = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+    probs = torch.zeros_like(logits)
+    for t in range(logits.shape[0]):
+        row = logits[t]
+        check_row(row, f"logits row {t}", allow_posinf=temperature == 0)
+        if temperature == 0:
+            tokens[t] = torch.argmax(row)
+            probs[t, tokens[t]] = 1.0
+            continue
+        probs[t] = filtered_probs(row, temperature, top_k, top_p)
+        if uniforms is not None:
+            tokens[t] = sample_inverse_cdf(probs[t], float(uniforms[t]))
+    return tokens, probs
