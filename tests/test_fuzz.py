@@ -140,5 +140,5 @@ def test_fuzz_acceptance(data, b, kd, v, temperature, top_k, top_p, seed):
     uniforms = np.random.default_rng(seed).random((b, kd + 1, 2)).astype(np.float64)
     _run_all(lambda be: dk.rejection_sample(drafts, logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                             uniforms=uniforms, backend=be))
-    _run_all(lambda be: dk.sample_filtered(logits.reshape(-1, v), temperature, top_k, top_p, uniforms=uniforms[..., 0].reshape(-1),
-                                           backend=be))
+    rows, row_uniforms = logits.reshape(-1, v), uniforms[..., 0].reshape(-1)
+    _run_all(lambda be: dk.sample_filtered(rows, temperature, top_k, top_p, uniforms=row_uniforms, backend=be))
