@@ -7,7 +7,8 @@ build_ext --inplace), then:
 
 The two modules' cached_attention run alternately, round by round, on the same fp32 and bf16 K/V:
 a verification block (16 queries over 4096 keys, 32/8 heads x 128, bottom-right causal), a decode
-step (1 query) and a short cache (16 queries over 512 keys). Outputs are compared bit for bit and,
+step (1 query), a short cache (16 queries over 512 keys) and a short block (3 queries: 12 packed rows
+per kv head). Outputs are compared bit for bit and,
 when they differ, by their largest relative difference.
 """
 
@@ -26,7 +27,7 @@ from tiers import _median_interleaved  # noqa: E402
 
 # (label, T_q, T_kv, H_q, H_kv, D)
 SHAPES = [("verify 16 q x 4096", 16, 4096, 32, 8, 128), ("decode 1 q x 4096", 1, 4096, 32, 8, 128),
-          ("verify 16 q x 512", 16, 512, 32, 8, 128)]
+          ("verify 16 q x 512", 16, 512, 32, 8, 128), ("verify 3 q x 4096", 3, 4096, 32, 8, 128)]
 
 
 def main(argv=None) -> int:

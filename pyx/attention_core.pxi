@@ -4,7 +4,7 @@ how the work is split."""
 
 from cython.parallel cimport prange, threadid
 from libc.math cimport INFINITY
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport int32_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "dk_attention.h":
@@ -13,13 +13,18 @@ cdef extern from "dk_attention.h":
     int DK_CB
     int RB_BIG "DK_RB"          # query rows per register block
     int RB_SMALL "DK_RB_SMALL"  # ... when an item packs only that many rows (decode)
-    void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk, float* s,
-                     Py_ssize_t lds) noexcept nogil
-    void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
-                     float* acc, Py_ssize_t lda) noexcept nogil
+    int W "DK_W"       # floats per vector: the FMA tiles' rows come in multiples of it
+    void dk_qkt_block(int nv, const float* kr, Py_ssize_t D, const float* qt, Py_ssize_t ldq, float* st,
+                      Py_ssize_t lds) noexcept nogil
+    void dk_pv_block(int rb, const float* pt, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
+                     float* acc, Py_ssize_t lda, const float* alpha) noexcept nogil
+    int KT "DK_KT"     # keys per tile: K and V tiles (2 x 16 KiB at D = 128) stay in L1
+    void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked, int32_t j0, const int32_t* lo,
+                         const int32_t* hi, float* m, float* l, float* alpha) noexcept nogil
+    void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, const Py_ssize_t* lo, const Py_ssize_t* hi, float* m,
+                         float* l, float* alpha) noexcept nogil
+    void dk_rescale_rows(int rb, float* acc, Py_ssize_t lda, Py_ssize_t n, const float* alpha) noexcept nogil
     int dk_finish_split(int* remaining) noexcept nogil
-    void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
-                    float* kt, Py_ssize_t ldt) noexcept nogil
     void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                       float* dst, Py_ssize_t ldd) noexcept nogil
     # decode steps: K and V rows read in place
@@ -54,7 +59,7 @@ cdef extern from "dk_attention.h":
 
 
 cdef enum:
-    KT = 32            # keys per tile: K^T and V tiles (2 x 16 KiB at D = 128) stay in L1
+    MAX_RB = 16        # rows per register block, at most (AMX's 16-row tiles)
     QROWS = 64         # packed query rows (positions x group heads) per work item
     SPLIT_ITEMS = 16   # split key ranges until there are about this many work items ...
     SPLIT_MIN_KEYS = 128  # ... but keep at least this many keys per split
@@ -81,6 +86,7 @@ cdef struct Problem:
     int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
     int amx            # ... on AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks
     int direct         # few rows per item (decode): K and V read in place, no tiles (FMA, at any precision)
+    int fma            # the FMA tiles (neither direct nor dot): scores transposed, rows in whole vectors
 
 
 cdef inline Py_ssize_t _lo(const Problem* P, Py_ssize_t t) noexcept nogil:
@@ -130,7 +136,7 @@ cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t
     online softmax per row, acc += P V; rows >= R (padding) see no key. sc is (H_kv, rows, KT). At
     "medium", K, V (a float32 source's, as they are read) and P are rounded to bf16; the queries were
     rounded when packed."""
-    cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn), H = P.H_kv, Rp = P.rows, r, g, t, c_lo, c_hi
+    cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn), H = P.H_kv, Rp = P.rows, g
     cdef int bf
     cdef const char* rows
     if n1 > 0:
@@ -139,18 +145,15 @@ cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t
     if kn > n1:
         rows = _row_ptr(P, 0, 0, j0 + n1, &bf)
         dk_qk_direct(P.rb, _ld(P, bf), qp, Rp, H, P.D, rows, kn - n1, sc + n1, KT)
+    cdef Py_ssize_t lo[MAX_RB]
+    cdef Py_ssize_t hi[MAX_RB]
+    cdef float alpha[MAX_RB]
+    _row_bounds(P, t0, R, 0, Rp, j0, kn, lo, hi)  # the same for every head
     for g in range(H):
-        for r in range(Rp):
-            if r < R:
-                t = t0 + r // P.group
-                c_lo = max(_lo(P, t) - j0, 0)
-                c_hi = min(_hi(P, t) - j0, kn - 1)
-            else:
-                c_lo, c_hi = 1, 0
-            _softmax_update(sc + (g * Rp + r) * KT, m + g * Rp + r, l + g * Rp + r, acc + (g * Rp + r) * P.Dp,
-                            P.Dp, c_lo, c_hi)
-            if P.medium:  # P rounded (l kept the unrounded sum, as on the tiles)
-                dk_att_round_run(sc + (g * Rp + r) * KT, KT)
+        dk_softmax_rows(Rp, sc + g * Rp * KT, KT, lo, hi, m + g * Rp, l + g * Rp, alpha)
+        dk_rescale_rows(Rp, acc + g * Rp * P.Dp, P.Dp, P.Dp, alpha)
+        if P.medium:  # P rounded (l kept the unrounded sum, as on the tiles)
+            dk_att_round_run(sc + g * Rp * KT, Rp * KT)
     if n1 > 0:
         rows = _row_ptr(P, 1, 0, j0, &bf)
         dk_pv_direct(P.rb, _ld(P, bf), sc, KT, Rp, H, n1, rows, P.D, acc, P.Dp)
@@ -168,7 +171,7 @@ cdef inline int _ld(const Problem* P, int bf16) noexcept nogil:
 
 cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, float* kt,
                      float* vt) noexcept nogil:
-    """Fill kt (D, KT) = K[j0:j0+kn, g]^T (keys >= kn zero) and vt (KT, Dp) = V[j0:j0+kn, g] (upcast,
+    """Fill kt (KT, D) = K[j0:j0+kn, g] (keys >= kn zero) and vt (KT, Dp) = V[j0:j0+kn, g] (upcast,
     dims >= D zero; the P V kernels read only kn rows), rounded at "medium"."""
     cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D
     cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
@@ -177,13 +180,11 @@ cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t k
         _load_tile_pairs(P, g, j0, kn, n1, <uint32_t*>kt, <uint32_t*>vt)
         return
     if n1 > 0:
-        dk_load_kt(<const char*>P.k1 + (j0 * P.H_kv + g) * D * (2 if P.bf1 else 4), P.bf1, stride, D, n1, kt, KT)
+        dk_load_rows(_row_ptr(P, 0, g, j0, &bf), P.bf1, stride, D, n1, kt, D)
     if kn > n1:
-        dk_load_kt(<const char*>P.k2 + ((j0 + n1 - P.T1) * P.H_kv + g) * D * (2 if P.bf2 else 4), P.bf2, stride, D,
-                   kn - n1, kt + n1, KT)
-    for d in range(D):
-        for c in range(kn, KT):
-            kt[d * KT + c] = 0.0
+        dk_load_rows(_row_ptr(P, 0, g, j0 + n1, &bf), P.bf2, stride, D, kn - n1, kt + n1 * D, D)
+    for c in range(kn * D, KT * D):
+        kt[c] = 0.0
     if n1 > 0:
         dk_load_rows(_row_ptr(P, 1, g, j0, &bf), P.bf1, stride, D, n1, vt, Dp)
     if kn > n1:
@@ -235,59 +236,56 @@ cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssi
             v2[c * Dp + d] = 0
 
 
-cdef inline float _row_max(const float* s) noexcept nogil:
-    """max of s[0:KT]; 8 independent lanes so gcc can vectorise without -ffinite-math."""
-    cdef float mx[8]
-    cdef float x, best
-    cdef int c, lane
-    for lane in range(8):
-        mx[lane] = s[lane]
-    for c in range(1, KT // 8):
-        for lane in range(8):
-            x = s[c * 8 + lane]
-            mx[lane] = x if x > mx[lane] else mx[lane]
-    best = mx[0]
-    for lane in range(1, 8):
-        best = mx[lane] if mx[lane] > best else best
-    return best
-
-
-cdef inline void _softmax_update(float* srow, float* m, float* l, float* accrow, Py_ssize_t Dp,
-                                 Py_ssize_t c_lo, Py_ssize_t c_hi) noexcept nogil:
-    """Online softmax of one row: keys c_lo..c_hi of the tile are visible (maybe none).
-
-    srow becomes the tile's unnormalised probabilities; the running max m, sum l and accumulator
-    row are rescaled to the new max."""
-    cdef Py_ssize_t c, d
-    cdef float mt, mn, alpha, tot = 0.0, p
-    if c_hi < c_lo:  # nothing visible in this tile for this row: contributes nothing
-        for c in range(KT):
-            srow[c] = 0.0
-        return
-    for c in range(c_lo):
-        srow[c] = -INFINITY
-    for c in range(c_hi + 1, KT):
-        srow[c] = -INFINITY
-    mt = _row_max(srow)
-    mn = mt if mt > m[0] else m[0]
-    for c in range(KT):
-        p = dk_exp(srow[c] - mn)
-        srow[c] = p
-        tot += p
-    if mn != m[0]:
-        alpha = dk_exp(m[0] - mn)  # 0 on the first visible tile (m = -inf)
-        l[0] *= alpha
-        for d in range(Dp):
-            accrow[d] *= alpha
-        m[0] = mn
-    l[0] += tot
+cdef inline void _row_bounds(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t r0, Py_ssize_t rb,
+                             Py_ssize_t j0, Py_ssize_t kn, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    """lo[i], hi[i]: the keys of the tile at j0 (kn keys) that packed row r0 + i sees, i < rb; none
+    (lo > hi) for padding rows (>= R)."""
+    cdef Py_ssize_t i, t
+    for i in range(rb):
+        if r0 + i < R:
+            t = t0 + (r0 + i) // P.group
+            lo[i] = max(_lo(P, t) - j0, 0)
+            hi[i] = min(_hi(P, t) - j0, kn - 1)
+        else:
+            lo[i], hi[i] = 1, 0
 
 
 cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
     """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
     m, l, acc of all heads."""
     cdef Py_ssize_t Rp = P.rows, H = P.H_kv
-    return H * Rp * P.D + P.D * KT + KT * P.Dp + (H if P.direct else 1) * Rp * KT + H * (2 * Rp + Rp * P.Dp)
+    return (H * Rp * P.D + P.D * KT + KT * P.Dp + (H if P.direct else 1) * Rp * KT + H * (2 * Rp + Rp * P.Dp)
+            + 3 * Rp)
+
+
+cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn, const float* qt, const float* kt,
+                    const float* vt, float* st, float* m, float* l, float* acc, const int32_t* lo,
+                    const int32_t* hi, int masked, float* alpha, Py_ssize_t g_pf, Py_ssize_t j_pf,
+                    Py_ssize_t j_end) noexcept nogil:
+    """One kv head's tile on the FMA tiles: st (KT, Rp) = K Q^T from qt (D, Rp) and the K rows kt,
+    the online softmax down the keys (masked by lo/hi when `masked`), then acc += P V by row
+    blocks, the rescale riding on them; only the vectors of rows that hold the R real rows, and P V
+    for those rows (rounded up to 2). Prefetches keys j_pf.. (up to j_end) of kv head g_pf, the
+    next tile to load, spread over the row blocks."""
+    cdef Py_ssize_t Rp = P.rows, D = P.D, Dp = P.Dp, r0 = 0, rb, c0
+    cdef Py_ssize_t Rv = (R + W - 1) // W * W, R2 = (R + 1) // 2 * 2
+    cdef Py_ssize_t n_blocks = (R2 + RB_BIG - 1) // RB_BIG
+    cdef Py_ssize_t pf = (KT + n_blocks - 1) // n_blocks, pf_at = j_pf
+    while r0 < Rv:  # S^T by 2 vectors of rows (the last by 1 when the rows fill an odd number)
+        dk_qkt_block(2 if r0 + 2 * W <= Rv else 1, kt, D, qt + r0, Rp, st + r0, Rp)
+        r0 += 2 * W
+    dk_softmax_cols(Rv, st, Rp, masked, <int32_t>j0, lo, hi, m, l, alpha)
+    if P.medium:  # P rounded (l kept the unrounded sum)
+        dk_att_round_run(st, kn * Rp)
+    r0 = 0
+    while r0 < R2:  # blocks of RB_BIG rows, then 4 and 2
+        rb = RB_BIG if r0 + RB_BIG <= R2 else (RB_SMALL if r0 + RB_SMALL <= R2 else 2)
+        if pf_at < j_end:
+            _prefetch_keys(P, g_pf, pf_at, min(pf_at + pf, j_end))
+            pf_at += pf
+        for c0 in range(Dp // DK_CB):
+            dk_pv_block(rb, st + r0, Rp, kn, vt + c0 * DK_CB, Dp, acc + r0 * Dp + c0 * DK_CB, Dp, alpha + r0)
+        r0 += rb
 
 
 cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
@@ -302,15 +300,24 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef Py_ssize_t t0 = b * P.qb_t
     cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
     cdef Py_ssize_t R = nt * group
-    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, c_lo, c_hi, g_pf, j_pf, pf_per_block
+    cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, g_pf, j_pf, pf_per_block
+    cdef Py_ssize_t lo[MAX_RB]
+    cdef Py_ssize_t hi[MAX_RB]
+    cdef float alpha[MAX_RB]   # the online softmax's rescale of a block's accumulator rows
     cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
-    cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head
+    cdef int32_t lo_top = 0, hi_bot = <int32_t>hi_max  # the tiles that every row sees whole lie in lo_top..hi_bot
+    cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head;
+                                         # (H_kv, D, Rp) on the FMA tiles
     cdef const uint32_t* q2 = <uint32_t*>buf  # P.dot: (H_kv, Rp, D / 2) the same as pair words
-    cdef float* kt = qp + H * Rp * D     # (D, KT)
+    cdef float* kt = qp + H * Rp * D     # (KT, D) K rows; P.dot: (D / 2, KT) K^T as pair words
     cdef float* vt = kt + D * KT         # (KT, Dp)
-    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct
+    cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct;
+                                         # (KT, Rp) on the FMA tiles
+    cdef int32_t* lo_abs = <int32_t*>(sc + (H if P.direct else 1) * Rp * KT)  # (Rp) FMA tiles: row r sees
+    cdef int32_t* hi_abs = lo_abs + Rp   # ... the key positions lo_abs[r]..hi_abs[r]
+    cdef float* alpha_r = <float*>(hi_abs + Rp)  # (Rp) FMA tiles: the rows' rescale in a tile
     cdef float* m                        # (H_kv, Rp) running max
     cdef float* l                        # (H_kv, Rp) running sum
     cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
@@ -319,7 +326,7 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef float* lg
     cdef float* ag
     if split == 1:                       # this thread's m, l, acc
-        m = sc + (H if P.direct else 1) * Rp * KT
+        m = alpha_r + Rp
         l = m + H * Rp
         acc = l + H * Rp
     else:                                # the item's slots in the partials
@@ -337,8 +344,20 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
         for r in range(R):
             t = t0 + r // group
             h = g * group + r % group
-            for d in range(D):
-                qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+            if P.fma:
+                for d in range(D):
+                    qp[(g * D + d) * Rp + r] = q[(t * P.H_q + h) * D + d] * P.scale
+            else:
+                for d in range(D):
+                    qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+    if P.fma:  # each row's visible key positions; padding rows see every key (their zero scores are unread)
+        for r in range(Rp):
+            if r < R:
+                t = t0 + r // group
+                lo_abs[r], hi_abs[r] = <int32_t>_lo(P, t), <int32_t>_hi(P, t)
+                lo_top, hi_bot = max(lo_top, lo_abs[r]), min(hi_bot, hi_abs[r])
+            else:
+                lo_abs[r], hi_abs[r] = 0, <int32_t>hi_max
     if P.dot:  # each row's rounded dims as D / 2 pair words
         dk_att_bf16_inplace(qp, H * Rp * D)
     elif P.medium:
@@ -361,10 +380,14 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 g_pf, j_pf = 0, j0 + KT
                 if tile + 1 == (s + 1) * n_tiles // split:
                     j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
+            if P.fma:
+                _fma_tile(P, R, j0, kn, qg, kt, vt, sc, mg, lg, ag, lo_abs, hi_abs, j0 < lo_top or j0 + KT - 1 > hi_bot,
+                          alpha_r, g_pf, j_pf, min(j_pf + KT, hi_max + 1))
+                continue
             pf_per_block = (KT + Rp // P.rb - 1) // (Rp // P.rb)
-            # per block of P.rb query rows (4, 8, or 16 on AMX): S = Q K^T, masked online softmax,
-            # acc += P V (the block's scores stay in L1 between the three steps; kt and vt are
-            # streamed); "medium" rounds P (or packs it as pair words) between softmax and P V
+            # bf16 pair words (vdpbf16ps, AMX), per block of P.rb query rows (8, or 16 on AMX): S =
+            # Q K^T, masked online softmax, P packed as pair words, acc += P V (the block's scores
+            # stay in L1 between the steps; kt and vt are streamed)
             for r0 in range(Rp // P.rb):
                 if j_pf <= hi_max:
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
@@ -372,33 +395,18 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 if P.amx:
                     dk_qk_amx(q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt, KT, sc + r0 * P.rb * KT, KT)
                 for c0 in range(0 if P.amx else KT // DK_CB):
-                    if P.dot:
-                        dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
-                                     KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
-                    else:
-                        dk_qk_block(P.rb, qg + r0 * P.rb * D, D, kt + c0 * DK_CB, KT,
-                                    sc + r0 * P.rb * KT + c0 * DK_CB, KT)
-                for r in range(r0 * P.rb, r0 * P.rb + P.rb):
-                    if r < R:
-                        t = t0 + r // group
-                        c_lo = max(_lo(P, t) - j0, 0)
-                        c_hi = min(_hi(P, t) - j0, kn - 1)
-                    else:  # padding rows
-                        c_lo, c_hi = 1, 0
-                    _softmax_update(sc + r * KT, mg + r, lg + r, ag + r * Dp, Dp, c_lo, c_hi)
-                    if P.dot:  # P's row as KT / 2 pair words at its start (l kept the unrounded sum)
-                        dk_att_bf16_inplace(sc + r * KT, KT)
-                    elif P.medium:
-                        dk_att_round_run(sc + r * KT, KT)
+                    dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
+                                 KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
+                _row_bounds(P, t0, R, r0 * P.rb, P.rb, j0, kn, lo, hi)
+                dk_softmax_rows(P.rb, sc + r0 * P.rb * KT, KT, lo, hi, mg + r0 * P.rb, lg + r0 * P.rb, alpha)
+                for r in range(r0 * P.rb, r0 * P.rb + P.rb):  # P's rows as KT / 2 pair words at their starts
+                    dk_att_bf16_inplace(sc + r * KT, KT)       # (l kept the unrounded sums)
+                dk_rescale_rows(P.rb, ag + r0 * P.rb * Dp, Dp, Dp, alpha)
                 if P.amx:
                     dk_pv_amx(<uint32_t*>sc + r0 * P.rb * KT, KT, <const uint32_t*>vt, Dp, ag + r0 * P.rb * Dp, Dp, Dp)
                 for c0 in range(0 if P.amx else Dp // DK_CB):
-                    if P.dot:
-                        dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
-                                     <const uint32_t*>vt + c0 * DK_CB, Dp, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
-                    else:
-                        dk_pv_block(P.rb, sc + r0 * P.rb * KT, KT, kn, vt + c0 * DK_CB, Dp,
-                                    ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
+                    dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
+                                 <const uint32_t*>vt + c0 * DK_CB, Dp, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
     if P.amx:
         att_amx_end()
 
@@ -475,11 +483,14 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     P.direct = P.rows <= RB_SMALL and D % DIRECT_D == 0
     P.amx = P.medium and ATT_AMX and amx and D % 32 == 0 and not P.direct
     P.dot = (P.amx or (P.medium and ATT_DOT and bf16dot and D % 2 == 0)) and not P.direct
-    P.rb = RB_SMALL if P.rows <= RB_SMALL else RB_BIG
+    P.fma = not P.direct and not P.dot
+    P.rb = RB_BIG
     if P.amx:
         P.rb = 16  # one tile of rows
     if P.direct:
         P.rb = 2 if P.rows <= 2 else RB_SMALL
+    if P.fma:
+        P.rb = W   # whole vectors of rows (the row blocks of P V are chosen per tile)
     P.rows = (P.rows + P.rb - 1) // P.rb * P.rb
     P.split = 1
     if P.n_qb < SPLIT_ITEMS:

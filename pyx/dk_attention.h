@@ -11,6 +11,9 @@
 
 #include "dk_amx.h"  /* tile config and permission, for "medium" on AMX */
 #include "dk_exp.h"  /* dk_exp: the shared polynomial exp */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* Ask for a K or V row ahead of use (into L2): one kv head's rows are H_kv * D elements apart,
    often a whole page, and hardware prefetchers do not follow strides across pages. */
@@ -18,61 +21,88 @@ static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
     for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 1);
 }
 
-/* Register-blocked micro-kernels, written with GCC vector extensions so the accumulators
-   (DK_RB rows x DK_NV vectors of DK_W floats) stay in registers: 8 x 2 vectors of 16 floats with
-   AVX-512 (16 of 32 zmm: each K^T / V vector load feeds 8 FMAs), 6 x 2 of 8 with AVX2 (12 of 16
-   ymm: Zen 2 needs 10 independent FMAs in flight to reach its FMA rate; against 4 x 2, 16 queries
-   over 4096 / 512 keys ran 2% / 6-9% faster there, bench/attention_ab.py, docs/benchmarks.md
-   session 11). Items that pack <= 4 rows (decode) use 4-row blocks. A block covers DK_CB = DK_NV *
-   DK_W keys (in S) or head dims (in P V). */
+/* Register-blocked micro-kernels for the FMA tiles, written with GCC vector extensions so the
+   accumulators stay in registers. The scores are kept transposed, st[c, r] for key c and packed
+   query row r: S^T = K Q^T takes K's rows as they are stored (a copy, no transpose: the 8 x 8
+   register transposes of K^T took a sixth of a verification block's attention on AVX-512), and
+   the online softmax runs down the keys with one vector lane per row, no horizontal reductions.
+
+   S^T: DK_TKB keys x 2 vectors of rows (8 x 2 with AVX-512, 6 x 2 with AVX2), or DK_TKB1 keys x 1
+   vector where the rows fill one vector only. P V: DK_RB rows x DK_NV vectors of head
+   dims, 8 x 2 vectors of 16 floats with AVX-512 (16 of 32 zmm: each V vector load feeds 8 FMAs),
+   6 x 2 of 8 with AVX2 (12 of 16 ymm: Zen 2 needs 10 independent FMAs in flight to reach its FMA
+   rate; against 4 x 2, 16 queries over 4096 / 512 keys ran 2% / 6-9% faster there,
+   bench/attention_ab.py, docs/benchmarks.md session 11). */
 #if defined(__AVX512F__)
 #define DK_W 16
 #define DK_NV 2
 #ifndef DK_RB
 #define DK_RB 8
 #endif
+#define DK_TKB 8    /* keys per S^T block with 2 vectors of rows (16 accumulators) ... */
+#define DK_TKB_REST 0  /* ... but the tile's last DK_TKB_REST keys, in blocks of 4 */
+#define DK_TKB1 16  /* ... with 1 vector of rows */
 #else
 #define DK_W 8
 #define DK_NV 2
 #ifndef DK_RB
 #define DK_RB 6
 #endif
+#define DK_TKB 6    /* 12 accumulators, as the P V blocks */
+#define DK_TKB_REST 8  /* 32 keys = 4 x 6 + 2 x 4 */
+#define DK_TKB1 8
 #endif
 #define DK_CB (DK_NV * DK_W)
+#define DK_KT 32  /* keys per tile: K and V tiles (2 x 16 KiB at D = 128) stay in L1 */
 typedef float dk_af __attribute__((vector_size(DK_W * 4), aligned(4)));
 #define DK_LD(p) (*(const dk_af*)(p))
 #define DK_ST(p, x) (*(dk_af*)(p) = (x))
 
 #define DK_AI static inline __attribute__((always_inline))
-/* s[0:rb, 0:CB] (row stride lds) = q[0:rb, 0:D] (row stride D) . kt[0:D, 0:CB] (row stride ldk) */
-DK_AI void dk_qk_rows(const int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
-                      float* s, Py_ssize_t lds) {
-    dk_af a[DK_RB][DK_NV];
-    for (int i = 0; i < rb; i++)
-        for (int v = 0; v < DK_NV; v++) a[i][v] = (dk_af){0};
+/* st[0:kb, 0:nv W] (row stride lds) = kr[0:kb, 0:D] (row stride D) . qt[0:D, 0:nv W] (row stride ldq) */
+DK_AI void dk_qkt_rows(const int kb, const int nv, const float* kr, Py_ssize_t D, const float* qt,
+                       Py_ssize_t ldq, float* st, Py_ssize_t lds) {
+    dk_af a[16][2];
+    for (int i = 0; i < kb; i++)
+        for (int v = 0; v < nv; v++) a[i][v] = (dk_af){0};
     for (Py_ssize_t d = 0; d < D; d++) {
-        dk_af k[DK_NV];
-        for (int v = 0; v < DK_NV; v++) k[v] = DK_LD(kt + d * ldk + v * DK_W);
-        for (int i = 0; i < rb; i++) {
-            float qi = q[i * D + d];
-            for (int v = 0; v < DK_NV; v++) a[i][v] += qi * k[v];
+        dk_af x[2];
+        for (int v = 0; v < nv; v++) x[v] = DK_LD(qt + d * ldq + v * DK_W);
+        for (int i = 0; i < kb; i++) {
+            float ki = kr[i * D + d];
+            for (int v = 0; v < nv; v++) a[i][v] += ki * x[v];
         }
     }
-    for (int i = 0; i < rb; i++)
-        for (int v = 0; v < DK_NV; v++) DK_ST(s + i * lds + v * DK_W, a[i][v]);
+    for (int i = 0; i < kb; i++)
+        for (int v = 0; v < nv; v++) DK_ST(st + i * lds + v * DK_W, a[i][v]);
 }
 
-/* acc[0:rb, 0:CB] (row stride lda) += p[0:rb, 0:n] (row stride ldp) . v[0:n, 0:CB] (row stride ldv) */
-DK_AI void dk_pv_rows(const int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
-                      Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
+/* st[0:DK_KT, 0:nv W] = the tile's DK_KT keys (kr, rows of D) . qt[0:D, 0:nv W], nv = 1 or 2
+   (kept out of line, as dk_pv_block: inlined into the tile loop, the accumulators spilled) */
+__attribute__((noinline)) static void dk_qkt_block(int nv, const float* kr, Py_ssize_t D, const float* qt,
+                                                   Py_ssize_t ldq, float* st, Py_ssize_t lds) {
+    int c = 0;
+    if (nv == 2) {
+        for (; c < DK_KT - DK_TKB_REST; c += DK_TKB) dk_qkt_rows(DK_TKB, 2, kr + c * D, D, qt, ldq, st + c * lds, lds);
+        for (; c < DK_KT; c += 4) dk_qkt_rows(4, 2, kr + c * D, D, qt, ldq, st + c * lds, lds);
+    } else {
+        for (; c < DK_KT; c += DK_TKB1) dk_qkt_rows(DK_TKB1, 1, kr + c * D, D, qt, ldq, st + c * lds, lds);
+    }
+}
+
+/* acc[0:rb, 0:CB] (row stride lda) = acc * alpha[i] + pt[0:n, 0:rb]^T (pt: the probabilities
+   transposed, row stride ldp) . v[0:n, 0:CB] (row stride ldv): the online softmax's rescale rides
+   on the accumulators' load */
+DK_AI void dk_pv_rows(const int rb, const float* pt, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t lda, const float* alpha) {
     dk_af a[DK_RB][DK_NV];
     for (int i = 0; i < rb; i++)
-        for (int v = 0; v < DK_NV; v++) a[i][v] = DK_LD(acc + i * lda + v * DK_W);
+        for (int v = 0; v < DK_NV; v++) a[i][v] = DK_LD(acc + i * lda + v * DK_W) * alpha[i];
     for (Py_ssize_t c = 0; c < n; c++) {
         dk_af x[DK_NV];
         for (int v = 0; v < DK_NV; v++) x[v] = DK_LD(vm + c * ldv + v * DK_W);
         for (int i = 0; i < rb; i++) {
-            float pi = p[i * ldp + c];
+            float pi = pt[c * ldp + i];
             for (int v = 0; v < DK_NV; v++) a[i][v] += pi * x[v];
         }
     }
@@ -80,19 +110,18 @@ DK_AI void dk_pv_rows(const int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n
         for (int v = 0; v < DK_NV; v++) DK_ST(acc + i * lda + v * DK_W, a[i][v]);
 }
 
-/* Row blocks of 4 (DK_RB_SMALL) or DK_RB rows: a decode step's few packed rows (e.g. GQA group
-   2: 2 rows) would waste half of an 8-row block (1 query over 257 keys, 16/8 heads: 58 us with
-   4-row blocks, 71 with 8; 16 queries over 4096 keys, 32/8: 6.7 ms with 4, 5.6 with 8). */
+/* Row blocks of DK_RB rows, then 4 and 2 for the rest (rows come in multiples of DK_W: 2 and 4
+   complete them with AVX2's 6-row blocks). Small row blocks also serve a decode step's few packed
+   rows (e.g. GQA group 2: 2 rows), which an 8-row block would waste (1 query over 257 keys, 16/8
+   heads: 58 us with 4-row blocks, 71 with 8; 16 queries over 4096 keys, 32/8: 6.7 ms with 4, 5.6
+   with 8). */
 #define DK_RB_SMALL 4
-static void dk_qk_block(int rb, const float* q, Py_ssize_t D, const float* kt, Py_ssize_t ldk,
-                        float* s, Py_ssize_t lds) {
-    if (rb == DK_RB) dk_qk_rows(DK_RB, q, D, kt, ldk, s, lds);
-    else dk_qk_rows(DK_RB_SMALL, q, D, kt, ldk, s, lds);
-}
-static void dk_pv_block(int rb, const float* p, Py_ssize_t ldp, Py_ssize_t n, const float* vm,
-                        Py_ssize_t ldv, float* acc, Py_ssize_t lda) {
-    if (rb == DK_RB) dk_pv_rows(DK_RB, p, ldp, n, vm, ldv, acc, lda);
-    else dk_pv_rows(DK_RB_SMALL, p, ldp, n, vm, ldv, acc, lda);
+__attribute__((noinline)) static void dk_pv_block(int rb, const float* pt, Py_ssize_t ldp, Py_ssize_t n,
+                                                  const float* vm, Py_ssize_t ldv, float* acc, Py_ssize_t lda,
+                                                  const float* alpha) {
+    if (rb == DK_RB) dk_pv_rows(DK_RB, pt, ldp, n, vm, ldv, acc, lda, alpha);
+    else if (rb == DK_RB_SMALL) dk_pv_rows(DK_RB_SMALL, pt, ldp, n, vm, ldv, acc, lda, alpha);
+    else dk_pv_rows(2, pt, ldp, n, vm, ldv, acc, lda, alpha);
 }
 
 /* One stored element (float32, or bf16 bits: exact upcast by << 16). */
@@ -106,7 +135,6 @@ static inline float dk_get(const void* base, int bf16, Py_ssize_t i) {
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 static inline __m256 dk_ld8(const void* base, int bf16, Py_ssize_t i) {
     if (bf16) {
         __m128i h = _mm_loadu_si128((const __m128i*)((const unsigned short*)base + i));
@@ -161,10 +189,181 @@ DK_AI dk_af dk_ldw(const void* base, const int ld, Py_ssize_t i) {
 #endif
 }
 
-DK_AI float dk_att_hsum(dk_af x) {
+DK_AI float dk_att_hsum(dk_af x) {  /* a shuffle tree (gcc left the lane loop as 15 scalar adds) */
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__AVX2__)
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
     float t = 0.0f;
-    for (int l = 0; l < DK_W; l++) t += x[l];  /* reassociated into a shuffle tree */
+    for (int l = 0; l < DK_W; l++) t += x[l];
     return t;
+#endif
+}
+
+/* The online softmax over one key tile (DK_KT keys), a block of rows at a time, in vector registers.
+   The loops it replaced (one row at a time, the max and sum left to gcc) took a fifth of a
+   verification block's attention on AVX-512 (16 queries over 4096 keys). */
+#define DK_KV (DK_KT / DK_W)  /* vectors per tile row */
+typedef int32_t dk_ai __attribute__((vector_size(DK_W * 4), aligned(4)));
+
+/* dk_exp (dk_exp.h) on a vector, the same steps lane by lane */
+DK_AI dk_af dk_exp_vec(dk_af x) {
+#if defined(__AVX512F__)
+    __m512 v = (__m512)x;
+    __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), v));  /* NaN stays */
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+    q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __mmask16 under = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    return (dk_af)_mm512_maskz_mul_ps((__mmask16)~under, q, _mm512_castsi512_ps(e));
+#elif defined(__AVX2__)
+    __m256 v = (__m256)x;
+    __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), v));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507e-3f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073e-3f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894e-2f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459e-1f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201e-1f));
+    q = _mm256_add_ps(_mm256_fmadd_ps(q, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 under = _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    return (dk_af)_mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(e)));
+#else
+    for (int i = 0; i < DK_W; i++) x[i] = dk_exp(x[i]);
+    return x;
+#endif
+}
+
+DK_AI float dk_att_hmax(dk_af x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)x);
+#elif defined(__AVX2__)
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float t = x[0];
+    for (int i = 1; i < DK_W; i++) t = x[i] > t ? x[i] : t;
+    return t;
+#endif
+}
+
+/* Rows i < rb of s (row stride lds), keys lo[i]..hi[i] of the tile visible (none when hi < lo):
+   each row becomes exp(s - m_new), 0 where masked; m[i] and l[i], the row's running max and sum,
+   move to the new max, and alpha[i] = exp(m_old - m_new) is the factor its accumulator takes (1
+   when the max stays). */
+static void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, const Py_ssize_t* lo, const Py_ssize_t* hi,
+                            float* m, float* l, float* alpha) {
+    dk_ai iota;
+    for (int i = 0; i < DK_W; i++) iota[i] = i;
+    for (int i = 0; i < rb; i++) {
+        float* row = s + i * lds;
+        alpha[i] = 1.0f;
+        if (hi[i] < lo[i]) {  /* nothing visible: the row adds nothing */
+            for (int v = 0; v < DK_KV; v++) DK_ST(row + v * DK_W, (dk_af){0});
+            continue;
+        }
+        dk_af x[DK_KV], mx;
+        for (int v = 0; v < DK_KV; v++) x[v] = DK_LD(row + v * DK_W);
+        if (lo[i] > 0 || hi[i] < DK_KT - 1) {
+            dk_ai ninf = (dk_ai)((dk_af){0} - __builtin_inff());
+            for (int v = 0; v < DK_KV; v++) {
+                dk_ai key = iota + v * DK_W;
+                dk_ai keep = (key >= (int32_t)lo[i]) & (key <= (int32_t)hi[i]);
+                x[v] = (dk_af)(((dk_ai)x[v] & keep) | (ninf & ~keep));
+            }
+        }
+        mx = x[0];
+        for (int v = 1; v < DK_KV; v++) {
+            dk_ai gt = x[v] > mx;
+            mx = (dk_af)(((dk_ai)x[v] & gt) | ((dk_ai)mx & ~gt));
+        }
+        float mt = dk_att_hmax(mx), mn = mt > m[i] ? mt : m[i];
+        dk_af sum = {0};
+        for (int v = 0; v < DK_KV; v++) {
+            dk_af p = dk_exp_vec(x[v] - mn);
+            DK_ST(row + v * DK_W, p);
+            sum += p;
+        }
+        if (mn != m[i]) {
+            alpha[i] = dk_exp(m[i] - mn);  /* 0 on the first visible tile (m = -inf) */
+            m[i] = mn;
+        }
+        l[i] = l[i] * alpha[i] + dk_att_hsum(sum);
+    }
+}
+
+DK_AI dk_af dk_att_vmax(dk_af a, dk_af b) {  /* b where either is NaN, as maxps */
+#if defined(__AVX512F__)
+    return (dk_af)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+    return (dk_af)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    dk_ai gt = a > b;
+    return (dk_af)(((dk_ai)a & gt) | ((dk_ai)b & ~gt));
+#endif
+}
+
+/* The online softmax over one tile of transposed scores, st[c * lds + r] for keys c < DK_KT (at
+   positions j0 + c) and rows r < nr (a multiple of DK_W), one vector of rows at a time. When
+   `masked`, row r sees the positions lo[r]..hi[r] only (else all of the tile). Each score becomes
+   exp(s - m_new), 0 where masked; m[r], l[r] (the running max and sum) move to the new max and
+   alpha[r] = exp(m_old - m_new) is the factor the row's accumulator takes (1 when the max stays;
+   a row that has seen no key keeps m = -inf, l = 0). */
+static void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked, int32_t j0, const int32_t* lo,
+                            const int32_t* hi, float* m, float* l, float* alpha) {
+    const dk_af ninf = (dk_af){0} - __builtin_inff();
+    for (Py_ssize_t r = 0; r < nr; r += DK_W) {
+        dk_af mx[4] = {ninf, ninf, ninf, ninf}, sum[4] = {{0}, {0}, {0}, {0}};  /* 4 chains each */
+        if (masked) {
+            dk_ai lo_v = *(const dk_ai*)(lo + r), hi_v = *(const dk_ai*)(hi + r);
+            for (int c = 0; c < DK_KT; c++) {
+                dk_ai keep = (lo_v <= j0 + c) & (hi_v >= j0 + c);
+                dk_af x = (dk_af)(((dk_ai)DK_LD(st + c * lds + r) & keep) | ((dk_ai)ninf & ~keep));
+                DK_ST(st + c * lds + r, x);
+                mx[c % 4] = dk_att_vmax(x, mx[c % 4]);
+            }
+        } else {
+            for (int c = 0; c < DK_KT; c++) mx[c % 4] = dk_att_vmax(DK_LD(st + c * lds + r), mx[c % 4]);
+        }
+        dk_af m_old = DK_LD(m + r);
+        dk_af m_new = dk_att_vmax(dk_att_vmax(dk_att_vmax(mx[0], mx[1]), dk_att_vmax(mx[2], mx[3])), m_old);
+        dk_ai none = m_new == ninf;  /* no key yet: subtract 0, not -inf (-inf - -inf is NaN) */
+        dk_af base = (dk_af)((dk_ai)m_new & ~none);
+        for (int c = 0; c < DK_KT; c++) {
+            dk_af p = dk_exp_vec(DK_LD(st + c * lds + r) - base);
+            DK_ST(st + c * lds + r, p);
+            sum[c % 4] += p;
+        }
+        dk_af a = dk_exp_vec(m_old - base);
+        DK_ST(alpha + r, a);
+        DK_ST(l + r, DK_LD(l + r) * a + ((sum[0] + sum[1]) + (sum[2] + sum[3])));
+        DK_ST(m + r, m_new);
+    }
+}
+
+/* acc[i, 0:n] (row stride lda) *= alpha[i], i < rb, where alpha is not 1: the paths whose P V
+   kernels take no alpha (vdpbf16ps, AMX, the decode path) */
+static void dk_rescale_rows(int rb, float* acc, Py_ssize_t lda, Py_ssize_t n, const float* alpha) {
+    for (int i = 0; i < rb; i++)
+        if (alpha[i] != 1.0f)
+            for (Py_ssize_t d = 0; d < n; d++) acc[i * lda + d] *= alpha[i];
 }
 
 /* s[i] = q[i, 0:D] . k[0:D], i < rb; two accumulators per row halve the FMA chain. D a multiple
@@ -243,7 +442,8 @@ static void dk_pv_direct(int rb, int ld, const float* p, Py_ssize_t ldp, Py_ssiz
 #undef DK_ELEM
 
 /* kt[d * ldt + c] = element d of source row c (rows `stride` elements apart), c < n, d < D:
-   the K tile transposed (and upcast), in 8 x 8 register transposes where AVX2 allows. */
+   the K tile transposed (and upcast), in 8 x 8 register transposes where AVX2 allows; the pair
+   words' K^T (dk_load_kt2) starts from it. */
 static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                        float* kt, Py_ssize_t ldt) {
     Py_ssize_t c = 0;
