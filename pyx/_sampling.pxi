@@ -11,7 +11,7 @@ cdef extern from *:
     """
     #include "dk_exp.h"
     """
-    float fast_exp "dk_exp"(float x) nogil
+    double exp_span "dk_exp_span"(float *e, long n, float m, float inv_t, float thr) nogil
 
 ctypedef fused wtype:
     float
@@ -116,20 +116,11 @@ cdef inline float kth_largest(const float *e, Py_ssize_t n, Py_ssize_t k, float 
 
 cdef inline double exp_pass(float *e, Py_ssize_t n, float m, float inv_t, float thr, double *bsum) noexcept nogil:
     """e_i <- exp((e_i - m) * inv_t) where e_i >= thr else 0; block sums into bsum; the total."""
-    cdef Py_ssize_t j, i, hi
-    cdef double acc, total = 0.0
-    cdef float v, w
-    for j in range((n + BS - 1) // BS):
-        acc = 0.0
-        hi = min(n, (j + 1) * BS)
-        for i in range(j * BS, hi):
-            v = e[i]
-            w = fast_exp((v - m) * inv_t)
-            w = w if v >= thr else 0.0
-            e[i] = w
-            acc += w
-        bsum[j] = acc
-        total += acc
+    cdef Py_ssize_t j
+    cdef double total = 0.0
+    for j in range((n + BS - 1) // BS):  # the pass in vector intrinsics (dk_exp.h)
+        bsum[j] = exp_span(e + j * BS, min(n, (j + 1) * BS) - j * BS, m, inv_t, thr)
+        total += bsum[j]
     return total
 
 

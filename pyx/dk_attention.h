@@ -209,41 +209,12 @@ DK_AI float dk_att_hsum(dk_af x) {  /* a shuffle tree (gcc left the lane loop as
 #define DK_KV (DK_KT / DK_W)  /* vectors per tile row */
 typedef int32_t dk_ai __attribute__((vector_size(DK_W * 4), aligned(4)));
 
-/* dk_exp (dk_exp.h) on a vector, the same steps lane by lane */
+/* dk_exp on a vector (dk_exp.h) */
 DK_AI dk_af dk_exp_vec(dk_af x) {
 #if defined(__AVX512F__)
-    __m512 v = (__m512)x;
-    __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), v));  /* NaN stays */
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-    q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __mmask16 under = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    return (dk_af)_mm512_maskz_mul_ps((__mmask16)~under, q, _mm512_castsi512_ps(e));
+    return (dk_af)dk_exp16((__m512)x);
 #elif defined(__AVX2__)
-    __m256 v = (__m256)x;
-    __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), v));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 q = _mm256_set1_ps(1.9875691500e-4f);
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507e-3f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073e-3f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894e-2f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459e-1f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201e-1f));
-    q = _mm256_add_ps(_mm256_fmadd_ps(q, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 under = _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    return (dk_af)_mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(e)));
+    return (dk_af)dk_exp8((__m256)x);
 #else
     for (int i = 0; i < DK_W; i++) x[i] = dk_exp(x[i]);
     return x;
