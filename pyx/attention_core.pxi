@@ -80,7 +80,8 @@ cdef struct Problem:
     Py_ssize_t qb_t    # query positions per work item
     Py_ssize_t n_qb    # query blocks
     Py_ssize_t split   # key splits per query block
-    Py_ssize_t rb      # rows per register block: RB_SMALL when an item has no more rows, else RB_BIG
+    Py_ssize_t rb      # rows per register block (pair words: RB_BIG, 16 on AMX; decode: 2 or 4); on the FMA
+                       # tiles W, the rows' rounding (their P V blocks are chosen per tile)
     Py_ssize_t rows    # packed rows per item, rounded up to rb
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
     int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
