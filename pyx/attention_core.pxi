@@ -20,7 +20,7 @@ cdef extern from "dk_attention.h":
                      float* acc, Py_ssize_t lda, const float* alpha) noexcept nogil
     int KT "DK_KT"     # keys per tile: K and V tiles (2 x 16 KiB at D = 128) stay in L1
     void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked, int32_t j0, const int32_t* lo,
-                         const int32_t* hi, float* m, float* l, float* alpha) noexcept nogil
+                         const int32_t* hi, int round, float* m, float* l, float* alpha) noexcept nogil
     void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, const Py_ssize_t* lo, const Py_ssize_t* hi, float* m,
                          float* l, float* alpha) noexcept nogil
     void dk_rescale_rows(int rb, float* acc, Py_ssize_t lda, Py_ssize_t n, const float* alpha) noexcept nogil
@@ -194,9 +194,13 @@ cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t k
         for c in range(kn):
             for d in range(D, Dp):
                 vt[c * Dp + d] = 0.0
-    if P.medium:
-        dk_att_round_run(kt, D * KT)
-        dk_att_round_run(vt, kn * Dp)
+    if P.medium:  # a float32 source's keys rounded (a bf16 source's are bf16 already)
+        if n1 > 0 and not P.bf1:
+            dk_att_round_run(kt, n1 * D)
+            dk_att_round_run(vt, n1 * Dp)
+        if kn > n1 and not P.bf2:
+            dk_att_round_run(kt + n1 * D, (kn - n1) * D)
+            dk_att_round_run(vt + n1 * Dp, (kn - n1) * Dp)
 
 
 cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, Py_ssize_t n1,
@@ -275,9 +279,7 @@ cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn
     while r0 < Rv:  # S^T by 2 vectors of rows (the last by 1 when the rows fill an odd number)
         dk_qkt_block(2 if r0 + 2 * W <= Rv else 1, kt, D, qt + r0, Rp, st + r0, Rp)
         r0 += 2 * W
-    dk_softmax_cols(Rv, st, Rp, masked, <int32_t>j0, lo, hi, m, l, alpha)
-    if P.medium:  # P rounded (l kept the unrounded sum)
-        dk_att_round_run(st, kn * Rp)
+    dk_softmax_cols(Rv, st, Rp, masked, <int32_t>j0, lo, hi, P.medium, m, l, alpha)  # "medium": P rounded
     r0 = 0
     while r0 < R2:  # blocks of RB_BIG rows, then 4 and 2
         rb = RB_BIG if r0 + RB_BIG <= R2 else (RB_SMALL if r0 + RB_SMALL <= R2 else 2)

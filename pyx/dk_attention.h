@@ -294,11 +294,11 @@ DK_AI dk_af dk_att_vmax(dk_af a, dk_af b) {  /* b where either is NaN, as maxps 
 /* The online softmax over one tile of transposed scores, st[c * lds + r] for keys c < DK_KT (at
    positions j0 + c) and rows r < nr (a multiple of DK_W), one vector of rows at a time. When
    `masked`, row r sees the positions lo[r]..hi[r] only (else all of the tile). Each score becomes
-   exp(s - m_new), 0 where masked; m[r], l[r] (the running max and sum) move to the new max and
+   exp(s - m_new), 0 where masked (rounded to bf16 when `round`, the sums unrounded); m[r], l[r] (the running max and sum) move to the new max and
    alpha[r] = exp(m_old - m_new) is the factor the row's accumulator takes (1 when the max stays;
    a row that has seen no key keeps m = -inf, l = 0). */
 static void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked, int32_t j0, const int32_t* lo,
-                            const int32_t* hi, float* m, float* l, float* alpha) {
+                            const int32_t* hi, int round, float* m, float* l, float* alpha) {
     const dk_af ninf = (dk_af){0} - __builtin_inff();
     for (Py_ssize_t r = 0; r < nr; r += DK_W) {
         dk_af mx[4] = {ninf, ninf, ninf, ninf}, sum[4] = {{0}, {0}, {0}, {0}};  /* 4 chains each */
@@ -319,7 +319,7 @@ static void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked
         dk_af base = (dk_af)((dk_ai)m_new & ~none);
         for (int c = 0; c < DK_KT; c++) {
             dk_af p = dk_exp_vec(DK_LD(st + c * lds + r) - base);
-            DK_ST(st + c * lds + r, p);
+            DK_ST(st + c * lds + r, round ? dk_att_round_vec(p) : p);  /* "medium": P rounded, not l */
             sum[c % 4] += p;
         }
         dk_af a = dk_exp_vec(m_old - base);
@@ -455,8 +455,8 @@ static void dk_load_kt(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t
             kt[d * ldt + c] = dk_get(base, bf16, c * stride + d);
 }
 
-/* dst[c * ldd + d] = element d of source row c (rows `stride` elements apart), c < n, d < D: the V
-   tile copied (and upcast) into contiguous rows, where "medium" rounds it. Read in place, a tile's
+/* dst[c * ldd + d] = element d of source row c (rows `stride` elements apart), c < n, d < D: a K or V
+   tile copied (and upcast) into contiguous rows, where "medium" rounds a float32 source's. Read in place, a tile's
    rows sit a whole cache row apart (H_kv * D elements, 4 KiB at 8 x 128 fp32) and share L1 sets; the
    copy costs about what those conflicts did (bench/attention_ab.py: 0.98-1.05x on fp32 K/V). */
 static void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
