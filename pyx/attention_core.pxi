@@ -263,6 +263,34 @@ cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
             + 3 * Rp)
 
 
+cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* qp) noexcept nogil:
+    """Query block b's scaled queries, packed per kv head into qp: (H_kv, Rp, D), row r = (t - t0) *
+    group + head, or (H_kv, D, Rp) on the FMA tiles; padding rows zero; rounded at "medium", as D / 2
+    pair words for P.dot."""
+    cdef Py_ssize_t H = P.H_kv, Rp = P.rows, D = P.D, group = P.group, t0 = b * P.qb_t
+    cdef Py_ssize_t R = min(P.qb_t, P.T_q - t0) * group
+    cdef Py_ssize_t g, r, d, t, h, row
+    cdef float* dst
+    for r in range(H * Rp * D):
+        qp[r] = 0.0
+    for g in range(H):  # each kv head's group: query head g * group + r % group
+        for r in range(R):
+            t = t0 + r // group
+            h = g * group + r % group
+            row = (t * P.H_q + h) * D
+            if P.fma:  # transposed (strided stores; shared by the key splits, so made once per block)
+                for d in range(D):
+                    qp[(g * D + d) * Rp + r] = q[row + d] * P.scale
+            else:
+                dst = qp + (g * Rp + r) * D
+                for d in range(D):
+                    dst[d] = q[row + d] * P.scale
+    if P.dot:  # each row's rounded dims as D / 2 pair words
+        dk_att_bf16_inplace(qp, H * Rp * D)
+    elif P.medium:
+        dk_att_round_run(qp, H * Rp * D)
+
+
 cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn, const float* qt, const float* kt,
                     const float* vt, float* st, float* m, float* l, float* acc, const int32_t* lo,
                     const int32_t* hi, int masked, float* alpha, Py_ssize_t g_pf, Py_ssize_t j_pf,
@@ -291,7 +319,7 @@ cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn
         r0 += rb
 
 
-cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
+cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssize_t item, float* out,
                 float* part_m, float* part_l, float* part_acc, float* buf) noexcept nogil:
     """One work item (query block b, key split s): online softmax over its keys, for every kv head.
 
@@ -314,7 +342,8 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
     cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head;
                                          # (H_kv, D, Rp) on the FMA tiles
     cdef const uint32_t* q2 = <uint32_t*>buf  # P.dot: (H_kv, Rp, D / 2) the same as pair words
-    cdef float* kt = qp + H * Rp * D     # (KT, D) K rows; P.dot: (D / 2, KT) K^T as pair words
+                                         # (both in q_packed when the block's key splits share it)
+    cdef float* kt = buf + H * Rp * D    # (KT, D) K rows; P.dot: (D / 2, KT) K^T as pair words
     cdef float* vt = kt + D * KT         # (KT, Dp)
     cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct;
                                          # (KT, Rp) on the FMA tiles
@@ -341,18 +370,11 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
         l[r] = 0.0
         for d in range(Dp):
             acc[r * Dp + d] = 0.0
-        for d in range(D):
-            qp[r * D + d] = 0.0
-    for g in range(H):  # pack each kv head's group: query head g * group + r % group
-        for r in range(R):
-            t = t0 + r // group
-            h = g * group + r % group
-            if P.fma:
-                for d in range(D):
-                    qp[(g * D + d) * Rp + r] = q[(t * P.H_q + h) * D + d] * P.scale
-            else:
-                for d in range(D):
-                    qp[(g * Rp + r) * D + d] = q[(t * P.H_q + h) * D + d] * P.scale
+    if q_packed != NULL:  # the block's queries, packed once for all its key splits
+        qp = <float*>q_packed + b * H * Rp * D
+        q2 = <const uint32_t*>qp
+    else:
+        _pack_queries(P, q, b, qp)
     if P.fma:  # each row's visible key positions; padding rows see every key (their zero scores are unread)
         for r in range(Rp):
             if r < R:
@@ -361,10 +383,6 @@ cdef void _item(const Problem* P, const float* q, Py_ssize_t item, float* out,
                 lo_top, hi_bot = max(lo_top, lo_abs[r]), min(hi_bot, hi_abs[r])
             else:
                 lo_abs[r], hi_abs[r] = 0, <int32_t>hi_max
-    if P.dot:  # each row's rounded dims as D / 2 pair words
-        dk_att_bf16_inplace(qp, H * Rp * D)
-    elif P.medium:
-        dk_att_round_run(qp, H * Rp * D)
     if P.amx:
         att_amx_begin()
 
@@ -516,15 +534,25 @@ cdef int _attend_run(const Problem* P, const float* q, float* out, int n_threads
     cdef Py_ssize_t n_scratch = _scratch_size(P)
     cdef float* sp = <float*>malloc(nth * n_scratch * sizeof(float))
     cdef int* rem = <int*>malloc(P.n_qb * sizeof(int))  # unfinished splits per query block
-    if sp == NULL or rem == NULL or (P.split > 1 and (pm == NULL or pl == NULL or pacc == NULL)):
-        free(pm); free(pl); free(pacc); free(sp); free(rem)
+    cdef Py_ssize_t n_pack = P.H_kv * P.rows * P.D
+    cdef float* qs = NULL  # split > 1: each query block's packed queries, shared by its key splits
+    if P.split > 1:
+        qs = <float*>malloc(P.n_qb * n_pack * sizeof(float))
+    if sp == NULL or rem == NULL or (P.split > 1 and (pm == NULL or pl == NULL or pacc == NULL or qs == NULL)):
+        free(pm); free(pl); free(pacc); free(sp); free(rem); free(qs)
         return -1
     for it in range(P.n_qb):
         rem[it] = <int>P.split
+    if P.split > 1:
+        if P.n_qb == 1:
+            _pack_queries(P, q, 0, qs)
+        else:
+            for it in prange(P.n_qb, num_threads=<int>min(<Py_ssize_t>nth, P.n_qb), schedule="static"):
+                _pack_queries(P, q, it, qs + it * n_pack)
     for it in prange(n_items, num_threads=nth, schedule="dynamic"):
-        _item(P, q, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
+        _item(P, q, qs, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
         if P.split > 1 and dk_finish_split(rem + it // P.split):
             for g in range(P.H_kv):
                 _merge(P, (it // P.split) * P.H_kv + g, out, pm, pl, pacc)
-    free(pm); free(pl); free(pacc); free(sp); free(rem)
+    free(pm); free(pl); free(pacc); free(sp); free(rem); free(qs)
     return 0
