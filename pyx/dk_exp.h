@@ -4,18 +4,28 @@
    -inf, the attention masks) gives exactly 0; x > 88 is clamped (exp(88) ~ 1.7e38, never inf). */
 #ifndef DK_EXP_H
 #define DK_EXP_H
+/* its constants, shared by the scalar and vector forms */
+#define DK_EXP_LOG2E 1.44269504088896341f
+#define DK_EXP_LN2_HI -0.693359375f  /* -ln 2 in two parts (Cody-Waite) */
+#define DK_EXP_LN2_LO 2.12194440e-4f
+#define DK_EXP_P0 1.9875691500e-4f  /* the polynomial, highest degree first */
+#define DK_EXP_P1 1.3981999507e-3f
+#define DK_EXP_P2 8.3334519073e-3f
+#define DK_EXP_P3 4.1665795894e-2f
+#define DK_EXP_P4 1.6666665459e-1f
+#define DK_EXP_P5 5.0000001201e-1f
 static inline float dk_exp(float x) {
     float xc = x < -87.0f ? -87.0f : x;  /* two selects, not one nested: fewer blends in gcc's vectors */
     xc = xc > 88.0f ? 88.0f : xc;
-    float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = __builtin_fmaf(n, -0.693359375f, xc);
-    r = __builtin_fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = __builtin_floorf(xc * DK_EXP_LOG2E + 0.5f);
+    float r = __builtin_fmaf(n, DK_EXP_LN2_HI, xc);
+    r = __builtin_fmaf(n, DK_EXP_LN2_LO, r);
+    float p = DK_EXP_P0;
+    p = p * r + DK_EXP_P1;
+    p = p * r + DK_EXP_P2;
+    p = p * r + DK_EXP_P3;
+    p = p * r + DK_EXP_P4;
+    p = p * r + DK_EXP_P5;
     p = p * (r * r) + r + 1.0f;
     union { unsigned int u; float f; } two_n;
     two_n.u = (unsigned int)((int)n + 127) << 23;
@@ -32,16 +42,16 @@ static inline float dk_exp(float x) {
 #if defined(__AVX512F__)
 static inline __m512 dk_exp16(__m512 x) {
     __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));  /* NaN stays */
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(DK_EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(DK_EXP_LN2_HI), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(DK_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(DK_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DK_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DK_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DK_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DK_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DK_EXP_P5));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
@@ -51,15 +61,15 @@ static inline __m512 dk_exp16(__m512 x) {
 #if defined(__AVX2__)
 static inline __m256 dk_exp8(__m256 x) {
     __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(DK_EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(DK_EXP_LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(DK_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(DK_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DK_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DK_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DK_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DK_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DK_EXP_P5));
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
