@@ -21,8 +21,8 @@ cdef extern from "dk_attention.h":
     int KT "DK_KT"     # keys per tile: K and V tiles (2 x 16 KiB at D = 128) stay in L1
     void dk_softmax_cols(Py_ssize_t nr, float* st, Py_ssize_t lds, int masked, int32_t j0, const int32_t* lo,
                          const int32_t* hi, int round, float* m, float* l, float* alpha) noexcept nogil
-    void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, const Py_ssize_t* lo, const Py_ssize_t* hi, float* m,
-                         float* l, float* alpha) noexcept nogil
+    void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, int32_t j0, const int32_t* lo, const int32_t* hi,
+                         float* m, float* l, float* alpha) noexcept nogil
     void dk_rescale_rows(int rb, float* acc, Py_ssize_t lda, Py_ssize_t n, const float* alpha) noexcept nogil
     int dk_finish_split(int* remaining) noexcept nogil
     void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
@@ -130,8 +130,8 @@ cdef void _prefetch_keys(const Problem* P, Py_ssize_t g, Py_ssize_t j_begin, Py_
         dk_prefetch(_row_ptr(P, 1, g, j, &bf), nbytes)
 
 
-cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn,
-                       const float* qp, float* sc, float* m, float* l, float* acc) noexcept nogil:
+cdef void _direct_tile(const Problem* P, Py_ssize_t j0, Py_ssize_t kn, const float* qp, float* sc, float* m,
+                       float* l, float* acc, const int32_t* lo, const int32_t* hi) noexcept nogil:
     """The decode path (P.direct) over keys j0..j0+kn-1 for every kv head at once: one key's rows of
     all heads are contiguous, so K and V are read in place in address order. S on K rows, the masked
     online softmax per row, acc += P V; rows >= R (padding) see no key. sc is (H_kv, rows, KT). At
@@ -146,12 +146,9 @@ cdef void _direct_tile(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t
     if kn > n1:
         rows = _row_ptr(P, 0, 0, j0 + n1, &bf)
         dk_qk_direct(P.rb, _ld(P, bf), qp, Rp, H, P.D, rows, kn - n1, sc + n1, KT)
-    cdef Py_ssize_t lo[MAX_RB]
-    cdef Py_ssize_t hi[MAX_RB]
     cdef float alpha[MAX_RB]
-    _row_bounds(P, t0, R, 0, Rp, j0, kn, lo, hi)  # the same for every head
-    for g in range(H):
-        dk_softmax_rows(Rp, sc + g * Rp * KT, KT, lo, hi, m + g * Rp, l + g * Rp, alpha)
+    for g in range(H):  # (a row's bounds are the same for every head)
+        dk_softmax_rows(Rp, sc + g * Rp * KT, KT, <int32_t>j0, lo, hi, m + g * Rp, l + g * Rp, alpha)
         dk_rescale_rows(Rp, acc + g * Rp * P.Dp, P.Dp, P.Dp, alpha)
         if P.medium:  # P rounded (l kept the unrounded sum, as on the tiles)
             dk_att_round_run(sc + g * Rp * KT, Rp * KT)
@@ -241,20 +238,6 @@ cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssi
             v2[c * Dp + d] = 0
 
 
-cdef inline void _row_bounds(const Problem* P, Py_ssize_t t0, Py_ssize_t R, Py_ssize_t r0, Py_ssize_t rb,
-                             Py_ssize_t j0, Py_ssize_t kn, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
-    """lo[i], hi[i]: the keys of the tile at j0 (kn keys) that packed row r0 + i sees, i < rb; none
-    (lo > hi) for padding rows (>= R)."""
-    cdef Py_ssize_t i, t
-    for i in range(rb):
-        if r0 + i < R:
-            t = t0 + (r0 + i) // P.group
-            lo[i] = max(_lo(P, t) - j0, 0)
-            hi[i] = min(_hi(P, t) - j0, kn - 1)
-        else:
-            lo[i], hi[i] = 1, 0
-
-
 cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
     """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
     m, l, acc of all heads."""
@@ -332,9 +315,7 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
     cdef Py_ssize_t nt = min(P.qb_t, P.T_q - t0)
     cdef Py_ssize_t R = nt * group
     cdef Py_ssize_t g, r, r0, c0, d, t, h, tile, j0, kn, g_pf, j_pf, pf_per_block
-    cdef Py_ssize_t lo[MAX_RB]
-    cdef Py_ssize_t hi[MAX_RB]
-    cdef float alpha[MAX_RB]   # the online softmax's rescale of a block's accumulator rows
+    cdef float alpha[MAX_RB]   # the pair words' online softmax: the rescale of a block's accumulator rows
     cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
@@ -347,8 +328,8 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
     cdef float* vt = kt + D * KT         # (KT, Dp)
     cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct;
                                          # (KT, Rp) on the FMA tiles
-    cdef int32_t* lo_abs = <int32_t*>(sc + (H if P.direct else 1) * Rp * KT)  # (Rp) FMA tiles: row r sees
-    cdef int32_t* hi_abs = lo_abs + Rp   # ... the key positions lo_abs[r]..hi_abs[r]
+    cdef int32_t* lo_abs = <int32_t*>(sc + (H if P.direct else 1) * Rp * KT)  # (Rp) row r sees the key
+    cdef int32_t* hi_abs = lo_abs + Rp   # ... positions lo_abs[r]..hi_abs[r] (padding rows: none)
     cdef float* alpha_r = <float*>(hi_abs + Rp)  # (Rp) FMA tiles: the rows' rescale in a tile
     cdef float* m                        # (H_kv, Rp) running max
     cdef float* l                        # (H_kv, Rp) running sum
@@ -375,14 +356,13 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
         q2 = <const uint32_t*>qp
     else:
         _pack_queries(P, q, b, qp)
-    if P.fma:  # each row's visible key positions; padding rows see every key (their zero scores are unread)
-        for r in range(Rp):
-            if r < R:
-                t = t0 + r // group
-                lo_abs[r], hi_abs[r] = <int32_t>_lo(P, t), <int32_t>_hi(P, t)
-                lo_top, hi_bot = max(lo_top, lo_abs[r]), min(hi_bot, hi_abs[r])
-            else:
-                lo_abs[r], hi_abs[r] = 0, <int32_t>hi_max
+    for r in range(Rp):  # each row's visible key positions, once for all the item's tiles
+        if r < R:
+            t = t0 + r // group
+            lo_abs[r], hi_abs[r] = <int32_t>_lo(P, t), <int32_t>_hi(P, t)
+            lo_top, hi_bot = max(lo_top, lo_abs[r]), min(hi_bot, hi_abs[r])
+        else:
+            lo_abs[r], hi_abs[r] = <int32_t>hi_max + 1, -1
     if P.amx:
         att_amx_begin()
 
@@ -390,7 +370,7 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
         j0 = lo_min + tile * KT
         kn = min(<Py_ssize_t>KT, hi_max + 1 - j0)
         if P.direct:
-            _direct_tile(P, t0, R, j0, kn, qp, sc, m, l, acc)
+            _direct_tile(P, j0, kn, qp, sc, m, l, acc, lo_abs, hi_abs)
             continue
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
@@ -418,8 +398,8 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
                 for c0 in range(0 if P.amx else KT // DK_CB):
                     dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
                                  KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
-                _row_bounds(P, t0, R, r0 * P.rb, P.rb, j0, kn, lo, hi)
-                dk_softmax_rows(P.rb, sc + r0 * P.rb * KT, KT, lo, hi, mg + r0 * P.rb, lg + r0 * P.rb, alpha)
+                dk_softmax_rows(P.rb, sc + r0 * P.rb * KT, KT, <int32_t>j0, lo_abs + r0 * P.rb, hi_abs + r0 * P.rb,
+                                mg + r0 * P.rb, lg + r0 * P.rb, alpha)
                 for r in range(r0 * P.rb, r0 * P.rb + P.rb):  # P's rows as KT / 2 pair words at their starts
                     dk_att_bf16_inplace(sc + r * KT, KT)       # (l kept the unrounded sums)
                 dk_rescale_rows(P.rb, ag + r0 * P.rb * Dp, Dp, Dp, alpha)

@@ -235,28 +235,30 @@ DK_AI float dk_att_hmax(dk_af x) {
 #endif
 }
 
-/* Rows i < rb of s (row stride lds), keys lo[i]..hi[i] of the tile visible (none when hi < lo):
-   each row becomes exp(s - m_new), 0 where masked; m[i] and l[i], the row's running max and sum,
+/* Rows i < rb of s (row stride lds), a tile of DK_KT keys at positions j0.., of which row i sees
+   positions lo[i]..hi[i] (as dk_softmax_cols; none when hi < lo): each row becomes exp(s - m_new), 0 where masked; m[i] and l[i], the row's running max and sum,
    move to the new max, and alpha[i] = exp(m_old - m_new) is the factor its accumulator takes (1
    when the max stays). */
-static void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, const Py_ssize_t* lo, const Py_ssize_t* hi,
+static void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, int32_t j0, const int32_t* lo, const int32_t* hi,
                             float* m, float* l, float* alpha) {
     dk_ai iota;
     for (int i = 0; i < DK_W; i++) iota[i] = i;
     for (int i = 0; i < rb; i++) {
         float* row = s + i * lds;
+        int32_t c_lo = lo[i] - j0 > 0 ? lo[i] - j0 : 0;  /* the row's visible keys of this tile */
+        int32_t c_hi = hi[i] - j0 < DK_KT - 1 ? hi[i] - j0 : DK_KT - 1;
         alpha[i] = 1.0f;
-        if (hi[i] < lo[i]) {  /* nothing visible: the row adds nothing */
+        if (c_hi < c_lo) {  /* nothing visible: the row adds nothing */
             for (int v = 0; v < DK_KV; v++) DK_ST(row + v * DK_W, (dk_af){0});
             continue;
         }
         dk_af x[DK_KV], mx;
         for (int v = 0; v < DK_KV; v++) x[v] = DK_LD(row + v * DK_W);
-        if (lo[i] > 0 || hi[i] < DK_KT - 1) {
+        if (c_lo > 0 || c_hi < DK_KT - 1) {
             dk_ai ninf = (dk_ai)((dk_af){0} - __builtin_inff());
             for (int v = 0; v < DK_KV; v++) {
                 dk_ai key = iota + v * DK_W;
-                dk_ai keep = (key >= (int32_t)lo[i]) & (key <= (int32_t)hi[i]);
+                dk_ai keep = (key >= c_lo) & (key <= c_hi);
                 x[v] = (dk_af)(((dk_ai)x[v] & keep) | (ninf & ~keep));
             }
         }
