@@ -49,7 +49,9 @@ def tier_lines() -> list[str]:
                  + (", ".join(entries) if entries else "none"))
     dot = bf16_dot_of(dense)
     medium = f"{dot} on bf16 pair words" if dot else "FMA on operands rounded to bf16"
-    lines.append(f"attention \"medium\": {dense.TIER}:{medium}; \"highest\" / \"high\": {dense.TIER}:fma; "
+    highest = ("AMX tiles on three exact bf16 parts of the queries and P over a bf16 cache, fma over a "
+               "float32 one" if dense.amx_available() else "fma")
+    lines.append(f"attention \"medium\": {dense.TIER}:{medium}; \"highest\" / \"high\": {dense.TIER}:{highest}; "
                  f"decode steps (<= 4 query rows per kv head): {dense.TIER}:fma on K/V read in place")
     lines.append("drafter precision (model.load's draft_precision=\"auto\"): "
                  + ("medium: a bf16 dot product runs it here" if dot

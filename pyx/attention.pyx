@@ -49,7 +49,7 @@ def _dense():
 def _attend(q, k1, v1, k2, v2, out, Py_ssize_t q_off, bint causal, window, float scale, int n_threads, int parts):
     cdef Problem P
     cdef int dot = ATT_DOT and parts == 1 and _dense().bf16dot_pays()
-    cdef int amx = ATT_AMX and parts == 1 and _dense().amx_available()
+    cdef int amx = ATT_AMX and _dense().amx_available()
     _problem_init(&P, _ptr(k1), _ptr(v1), k1.dtype == np.uint16, k1.shape[0], _ptr(k2), _ptr(v2),
                   k2.dtype == np.uint16, k2.shape[0], q.shape[0], q.shape[1], k1.shape[1], q.shape[2], q_off,
                   0 if window is None else window, causal, scale, parts, dot, amx)

@@ -2,7 +2,7 @@
 included, not imported, so that each extension module calls it at C level. See attention.pyx for
 how the work is split."""
 
-from cython.parallel cimport prange, threadid
+from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport INFINITY
 from libc.stdint cimport int32_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
@@ -24,7 +24,6 @@ cdef extern from "dk_attention.h":
     void dk_softmax_rows(int rb, float* s, Py_ssize_t lds, int32_t j0, const int32_t* lo, const int32_t* hi,
                          float* m, float* l, float* alpha) noexcept nogil
     void dk_rescale_rows(int rb, float* acc, Py_ssize_t lda, Py_ssize_t n, const float* alpha) noexcept nogil
-    int dk_finish_split(int* remaining) noexcept nogil
     void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n,
                       float* dst, Py_ssize_t ldd) noexcept nogil
     # decode steps: K and V rows read in place
@@ -48,10 +47,13 @@ cdef extern from "dk_attention.h":
     int ATT_AMX "DK_AMX_BUILT"
     void att_amx_begin "dk_amx_begin"() noexcept nogil
     void att_amx_end "dk_amx_end"() noexcept nogil
-    void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
-                   Py_ssize_t lds) noexcept nogil
-    void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
-                   Py_ssize_t lda, Py_ssize_t Dp) noexcept nogil
+    void dk_qk_amx(int nparts, const uint32_t* q2, Py_ssize_t pstride, Py_ssize_t D2, const uint32_t* kt2,
+                   Py_ssize_t ldk, float* s, Py_ssize_t lds) noexcept nogil
+    void dk_pv_amx(int nparts, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t pstride, const uint32_t* v2,
+                   Py_ssize_t ldv, float* acc, Py_ssize_t lda, Py_ssize_t Dp) noexcept nogil
+    # "highest" on AMX: fp32 split into three exact bf16 parts (dk_bf16dot.h)
+    uint32_t att_split "dk_split_run"(const float* x, long n, int parts, uint16_t* p0, uint16_t* p1,
+                                      uint16_t* p2) noexcept nogil
     void dk_load_kt2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* kt2,
                      Py_ssize_t ldt) noexcept nogil
     void dk_load_v2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t D, Py_ssize_t n, uint32_t* v2,
@@ -85,7 +87,9 @@ cdef struct Problem:
     Py_ssize_t rows    # packed rows per item, rounded up to rb
     int medium         # "medium" precision: queries, K, V and P rounded to bf16
     int dot            # ... on pair words: vdpbf16ps (AVX512-BF16 built, where it pays, D even) or AMX
-    int amx            # ... on AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks
+    int amx            # AMX tiles (AMX built and granted, D a multiple of 32): 16-row blocks, at "medium",
+                       # or at "highest" over bf16 keys and values
+    int nparts         # the queries' and P's bf16 parts on the pair words: 1 ("medium") or 3 (exact, AMX)
     int direct         # few rows per item (decode): K and V read in place, no tiles (FMA, at any precision)
     int fma            # the FMA tiles (neither direct nor dot): scores transposed, rows in whole vectors
 
@@ -238,12 +242,20 @@ cdef void _load_tile_pairs(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssi
             v2[c * Dp + d] = 0
 
 
+cdef inline Py_ssize_t _q_floats(const Problem* P) noexcept nogil:
+    """Floats of one query block's packed queries: (H_kv, Rp, D), or their nparts parts as pair words
+    (nparts x (H_kv, Rp, D / 2) words) and a row of D floats to split from."""
+    if P.nparts == 3:
+        return 3 * P.H_kv * P.rows * P.D // 2 + P.D
+    return P.H_kv * P.rows * P.D
+
+
 cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
     """Floats of per-thread scratch: packed queries of all heads, K^T and V tiles, scores, and
-    m, l, acc of all heads."""
+    m, l, acc of all heads, P's parts (nparts = 3)."""
     cdef Py_ssize_t Rp = P.rows, H = P.H_kv
-    return (H * Rp * P.D + P.D * KT + KT * P.Dp + (H if P.direct else 1) * Rp * KT + H * (2 * Rp + Rp * P.Dp)
-            + 3 * Rp)
+    return (_q_floats(P) + P.D * KT + KT * P.Dp + (H if P.direct else 1) * Rp * KT + H * (2 * Rp + Rp * P.Dp)
+            + 3 * Rp + 3 * MAX_RB * KT // 2)
 
 
 cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* qp) noexcept nogil:
@@ -252,8 +264,23 @@ cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* q
     pair words for P.dot."""
     cdef Py_ssize_t H = P.H_kv, Rp = P.rows, D = P.D, group = P.group, t0 = b * P.qb_t
     cdef Py_ssize_t R = min(P.qb_t, P.T_q - t0) * group
-    cdef Py_ssize_t g, r, d, t, h, row
+    cdef Py_ssize_t g, r, d, t, h, row, n2 = H * Rp * D // 2
     cdef float* dst
+    cdef uint16_t* q16 = <uint16_t*>qp
+    if P.nparts == 3:  # each row's three parts as pair words, split from a row of scaled floats
+        dst = qp + 3 * n2
+        for r in range(6 * n2):
+            q16[r] = 0
+        for g in range(H):
+            for r in range(R):
+                t = t0 + r // group
+                h = g * group + r % group
+                row = (t * P.H_q + h) * D
+                for d in range(D):
+                    dst[d] = q[row + d] * P.scale
+                att_split(dst, D, 3, q16 + (g * Rp + r) * D, q16 + 2 * n2 + (g * Rp + r) * D,
+                          q16 + 4 * n2 + (g * Rp + r) * D)
+        return
     for r in range(H * Rp * D):
         qp[r] = 0.0
     for g in range(H):  # each kv head's group: query head g * group + r % group
@@ -324,13 +351,15 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
                                          # (H_kv, D, Rp) on the FMA tiles
     cdef const uint32_t* q2 = <uint32_t*>buf  # P.dot: (H_kv, Rp, D / 2) the same as pair words
                                          # (both in q_packed when the block's key splits share it)
-    cdef float* kt = buf + H * Rp * D    # (KT, D) K rows; P.dot: (D / 2, KT) K^T as pair words
+    cdef float* kt = buf + _q_floats(P)  # (KT, D) K rows; P.dot: (D / 2, KT) K^T as pair words
     cdef float* vt = kt + D * KT         # (KT, Dp)
     cdef float* sc = vt + KT * Dp        # (Rp, KT) scores, then probabilities; (H_kv, Rp, KT) if P.direct;
                                          # (KT, Rp) on the FMA tiles
     cdef int32_t* lo_abs = <int32_t*>(sc + (H if P.direct else 1) * Rp * KT)  # (Rp) row r sees the key
     cdef int32_t* hi_abs = lo_abs + Rp   # ... positions lo_abs[r]..hi_abs[r] (padding rows: none)
     cdef float* alpha_r = <float*>(hi_abs + Rp)  # (Rp) FMA tiles: the rows' rescale in a tile
+    cdef uint32_t* p3 = <uint32_t*>(alpha_r + Rp)  # nparts = 3: (3, P.rb, KT / 2) P's parts as pair words
+    cdef Py_ssize_t q_pstride = H * Rp * D // 2  # nparts = 3: words between the queries' parts
     cdef float* m                        # (H_kv, Rp) running max
     cdef float* l                        # (H_kv, Rp) running sum
     cdef float* acc                      # (H_kv, Rp, Dp) unnormalised output
@@ -339,7 +368,7 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
     cdef float* lg
     cdef float* ag
     if split == 1:                       # this thread's m, l, acc
-        m = alpha_r + Rp
+        m = <float*>p3 + 3 * MAX_RB * KT // 2
         l = m + H * Rp
         acc = l + H * Rp
     else:                                # the item's slots in the partials
@@ -352,7 +381,7 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
         for d in range(Dp):
             acc[r * Dp + d] = 0.0
     if q_packed != NULL:  # the block's queries, packed once for all its key splits
-        qp = <float*>q_packed + b * H * Rp * D
+        qp = <float*>q_packed + b * _q_floats(P)
         q2 = <const uint32_t*>qp
     else:
         _pack_queries(P, q, b, qp)
@@ -394,17 +423,26 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
                     _prefetch_keys(P, g_pf, j_pf + r0 * pf_per_block,
                                    min(j_pf + (r0 + 1) * pf_per_block, hi_max + 1))
                 if P.amx:
-                    dk_qk_amx(q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt, KT, sc + r0 * P.rb * KT, KT)
+                    dk_qk_amx(P.nparts, q2 + (g * Rp + r0 * P.rb) * (D // 2), q_pstride, D // 2, <uint32_t*>kt, KT,
+                              sc + r0 * P.rb * KT, KT)
                 for c0 in range(0 if P.amx else KT // DK_CB):
                     dk_qk2_block(P.rb, q2 + (g * Rp + r0 * P.rb) * (D // 2), D // 2, <uint32_t*>kt + c0 * DK_CB,
                                  KT, sc + r0 * P.rb * KT + c0 * DK_CB, KT)
                 dk_softmax_rows(P.rb, sc + r0 * P.rb * KT, KT, <int32_t>j0, lo_abs + r0 * P.rb, hi_abs + r0 * P.rb,
                                 mg + r0 * P.rb, lg + r0 * P.rb, alpha)
-                for r in range(r0 * P.rb, r0 * P.rb + P.rb):  # P's rows as KT / 2 pair words at their starts
-                    dk_att_bf16_inplace(sc + r * KT, KT)       # (l kept the unrounded sums)
+                if P.nparts == 3:  # P's rows as three parts of KT / 2 pair words each, exact
+                    for r in range(P.rb):
+                        att_split(sc + (r0 * P.rb + r) * KT, KT, 3, <uint16_t*>(p3 + r * (KT // 2)),
+                                  <uint16_t*>(p3 + (P.rb + r) * (KT // 2)), <uint16_t*>(p3 + (2 * P.rb + r) * (KT // 2)))
+                else:
+                    for r in range(r0 * P.rb, r0 * P.rb + P.rb):  # P's rows as KT / 2 pair words at their starts
+                        dk_att_bf16_inplace(sc + r * KT, KT)       # (l kept the unrounded sums)
                 dk_rescale_rows(P.rb, ag + r0 * P.rb * Dp, Dp, Dp, alpha)
-                if P.amx:
-                    dk_pv_amx(<uint32_t*>sc + r0 * P.rb * KT, KT, <const uint32_t*>vt, Dp, ag + r0 * P.rb * Dp, Dp, Dp)
+                if P.amx and P.nparts == 3:
+                    dk_pv_amx(3, p3, KT // 2, P.rb * (KT // 2), <const uint32_t*>vt, Dp, ag + r0 * P.rb * Dp, Dp, Dp)
+                elif P.amx:
+                    dk_pv_amx(1, <uint32_t*>sc + r0 * P.rb * KT, KT, 0, <const uint32_t*>vt, Dp, ag + r0 * P.rb * Dp,
+                              Dp, Dp)
                 for c0 in range(0 if P.amx else Dp // DK_CB):
                     dk_pv2_block(P.rb, <uint32_t*>sc + r0 * P.rb * KT, KT, (kn + 1) // 2,
                                  <const uint32_t*>vt + c0 * DK_CB, Dp, ag + r0 * P.rb * Dp + c0 * DK_CB, Dp)
@@ -482,7 +520,9 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
     # the decode path: its kernels take 2 or 4 rows and D in whole groups of vectors (dk_attention.h);
     # at "medium" they run FMA on the rounded operands, as the FMA tiers' tiles do
     P.direct = P.rows <= RB_SMALL and D % DIRECT_D == 0
-    P.amx = P.medium and ATT_AMX and amx and D % 32 == 0 and not P.direct
+    P.amx = ATT_AMX and amx and D % 32 == 0 and not P.direct and (
+        P.medium or ((bf1 or T1 == 0) and (bf2 or T2 == 0)))  # "highest": exact parts need bf16 K and V
+    P.nparts = 3 if P.amx and not P.medium else 1
     P.dot = (P.amx or (P.medium and ATT_DOT and bf16dot and D % 2 == 0)) and not P.direct
     P.fma = not P.direct and not P.dot
     P.rb = RB_BIG
@@ -501,7 +541,7 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
 cdef int _attend_run(const Problem* P, const float* q, float* out, int n_threads) noexcept nogil:
     """out (T_q, H_q, D) = attention of q (T_q, H_q, D, contiguous) over P's keys; -1 when out of
     memory (nothing written)."""
-    cdef Py_ssize_t n_items = P.n_qb * P.split, it, g
+    cdef Py_ssize_t n_items = P.n_qb * P.split, it, u
     cdef Py_ssize_t n_part = n_items * P.H_kv * P.rows
     cdef float* pm = NULL
     cdef float* pl = NULL
@@ -513,26 +553,26 @@ cdef int _attend_run(const Problem* P, const float* q, float* out, int n_threads
     cdef int nth = <int>min(<Py_ssize_t>max(1, n_threads), n_items)
     cdef Py_ssize_t n_scratch = _scratch_size(P)
     cdef float* sp = <float*>malloc(nth * n_scratch * sizeof(float))
-    cdef int* rem = <int*>malloc(P.n_qb * sizeof(int))  # unfinished splits per query block
-    cdef Py_ssize_t n_pack = P.H_kv * P.rows * P.D
+    cdef Py_ssize_t n_pack = _q_floats(P)
     cdef float* qs = NULL  # split > 1: each query block's packed queries, shared by its key splits
     if P.split > 1:
         qs = <float*>malloc(P.n_qb * n_pack * sizeof(float))
-    if sp == NULL or rem == NULL or (P.split > 1 and (pm == NULL or pl == NULL or pacc == NULL or qs == NULL)):
-        free(pm); free(pl); free(pacc); free(sp); free(rem); free(qs)
+    if sp == NULL or (P.split > 1 and (pm == NULL or pl == NULL or pacc == NULL or qs == NULL)):
+        free(pm); free(pl); free(pacc); free(sp); free(qs)
         return -1
-    for it in range(P.n_qb):
-        rem[it] = <int>P.split
-    if P.split > 1:
-        if P.n_qb == 1:
-            _pack_queries(P, q, 0, qs)
-        else:
-            for it in prange(P.n_qb, num_threads=<int>min(<Py_ssize_t>nth, P.n_qb), schedule="static"):
+    if P.split == 1:
+        for it in prange(n_items, num_threads=nth, schedule="dynamic"):
+            _item(P, q, NULL, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
+    else:
+        # one parallel region: pack each block's queries, the items, then the merges, each
+        # (query block, kv head) by one thread (one thread merging a whole block's heads took 5%
+        # of a verification block's attention at 2 threads: 16 splits' partials are 4 MiB there)
+        with parallel(num_threads=nth):
+            for it in prange(P.n_qb, schedule="static"):
                 _pack_queries(P, q, it, qs + it * n_pack)
-    for it in prange(n_items, num_threads=nth, schedule="dynamic"):
-        _item(P, q, qs, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
-        if P.split > 1 and dk_finish_split(rem + it // P.split):
-            for g in range(P.H_kv):
-                _merge(P, (it // P.split) * P.H_kv + g, out, pm, pl, pacc)
-    free(pm); free(pl); free(pacc); free(sp); free(rem); free(qs)
+            for it in prange(n_items, schedule="dynamic"):
+                _item(P, q, qs, it, out, pm, pl, pacc, sp + threadid() * n_scratch)
+            for u in prange(P.n_qb * P.H_kv, schedule="static"):
+                _merge(P, u, out, pm, pl, pacc)
+    free(pm); free(pl); free(pacc); free(sp); free(qs)
     return 0

@@ -466,6 +466,17 @@ static void dk_load_rows(const void* base, int bf16, Py_ssize_t stride, Py_ssize
     for (Py_ssize_t c = 0; c < n; c++) {
         Py_ssize_t d = 0;
         float* row = dst + c * ldd;
+#if defined(__AVX512F__)
+        if (bf16) {
+            const uint16_t* src = (const uint16_t*)base + c * stride;
+            for (; d + 16 <= D; d += 16)
+                _mm512_storeu_ps(row + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + d))), 16)));
+        } else {
+            const float* src = (const float*)base + c * stride;
+            for (; d + 16 <= D; d += 16) _mm512_storeu_ps(row + d, _mm512_loadu_ps(src + d));
+        }
+#endif
 #if defined(__AVX2__)
         for (; d + 8 <= D; d += 8) _mm256_storeu_ps(row + d, dk_ld8(base, bf16, c * stride + d));
 #endif
@@ -583,14 +594,17 @@ static void dk_att_bf16_inplace(float* x, Py_ssize_t n) {}
 #endif
 
 #if DK_AMX_BUILT
-/* "medium" on AMX tiles: the pair words above are the tiles' layouts. One TDPBF16PS multiplies a
-   16-row A tile of bf16 pairs by a B tile of 16 pair rows x 16 columns: q2 rows by K^T's dim
-   pairs (kt2) for S, P's key-pair words by V's key pairs (v2) for P V. Tiles: 0-1 C, 2 A, 3-4 B. */
+/* AMX tiles on the pair words above: one TDPBF16PS multiplies a 16-row A tile of bf16 pairs by a B
+   tile of 16 pair rows x 16 columns: q2 rows by K^T's dim pairs (kt2) for S, P's key-pair words by
+   V's key pairs (v2) for P V. "medium" takes one bf16 part of the queries and of P; "highest" over
+   a bf16 cache takes three (x = x1 + x2 + x3, exact: dk_split_run), each multiplied by the same
+   exact bf16 K or V, so that every product is exact and only the fp32 summation order differs
+   from the FMA tiles. Tiles: 0-1 C, 2, 5, 6 A (the parts), 3-4 B. */
 
-/* s[0:16, 0:32] (row stride lds) = q2[0:16, 0:D2] (row stride D2 words) . kt2[0:D2, 0:32] (row
-   stride ldk words); D2 a multiple of 16 */
-static void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
-                      Py_ssize_t lds) {
+/* s[0:16, 0:32] (row stride lds) = sum over the np (1 or 3) parts of q2[0:16, 0:D2] (row stride D2
+   words; part p at q2 + p * pstride) . kt2[0:D2, 0:32] (row stride ldk words); D2 a multiple of 16 */
+static void dk_qk_amx(int np, const uint32_t* q2, Py_ssize_t pstride, Py_ssize_t D2, const uint32_t* kt2,
+                      Py_ssize_t ldk, float* s, Py_ssize_t lds) {
     _tile_zero(0);
     _tile_zero(1);
     for (Py_ssize_t d = 0; d < D2; d += 16) {
@@ -599,16 +613,29 @@ static void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py
         _tile_loadd(4, kt2 + d * ldk + 16, ldk * 4);
         _tile_dpbf16ps(0, 2, 3);
         _tile_dpbf16ps(1, 2, 4);
+        if (np > 1) {
+            _tile_loadd(5, q2 + pstride + d, D2 * 4);
+            _tile_loadd(6, q2 + 2 * pstride + d, D2 * 4);
+            _tile_dpbf16ps(0, 5, 3);
+            _tile_dpbf16ps(1, 5, 4);
+            _tile_dpbf16ps(0, 6, 3);
+            _tile_dpbf16ps(1, 6, 4);
+        }
     }
     _tile_stored(0, s, lds * 4);
     _tile_stored(1, s + 16, lds * 4);
 }
 
-/* acc[0:16, 0:Dp] (row stride lda) += p2[0:16, 0:16] (row stride ldp words) . v2[0:16, 0:Dp] (row
-   stride ldv words): 32 keys; Dp a multiple of 32 */
-static void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
-                      Py_ssize_t lda, Py_ssize_t Dp) {
+/* acc[0:16, 0:Dp] (row stride lda) += sum over the np parts of p2[0:16, 0:16] (row stride ldp
+   words; part p at p2 + p * pstride) . v2[0:16, 0:Dp] (row stride ldv words): 32 keys; Dp a
+   multiple of 32 */
+static void dk_pv_amx(int np, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t pstride, const uint32_t* v2,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t lda, Py_ssize_t Dp) {
     _tile_loadd(2, p2, ldp * 4);
+    if (np > 1) {
+        _tile_loadd(5, p2 + pstride, ldp * 4);
+        _tile_loadd(6, p2 + 2 * pstride, ldp * 4);
+    }
     for (Py_ssize_t c = 0; c < Dp; c += 32) {
         _tile_loadd(0, acc + c, lda * 4);
         _tile_loadd(1, acc + c + 16, lda * 4);
@@ -616,15 +643,21 @@ static void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py
         _tile_loadd(4, v2 + c + 16, ldv * 4);
         _tile_dpbf16ps(0, 2, 3);
         _tile_dpbf16ps(1, 2, 4);
+        if (np > 1) {
+            _tile_dpbf16ps(0, 5, 3);
+            _tile_dpbf16ps(1, 5, 4);
+            _tile_dpbf16ps(0, 6, 3);
+            _tile_dpbf16ps(1, 6, 4);
+        }
         _tile_stored(0, acc + c, lda * 4);
         _tile_stored(1, acc + c + 16, lda * 4);
     }
 }
 #else
-static void dk_qk_amx(const uint32_t* q2, Py_ssize_t D2, const uint32_t* kt2, Py_ssize_t ldk, float* s,
-                      Py_ssize_t lds) {}
-static void dk_pv_amx(const uint32_t* p2, Py_ssize_t ldp, const uint32_t* v2, Py_ssize_t ldv, float* acc,
-                      Py_ssize_t lda, Py_ssize_t Dp) {}
+static void dk_qk_amx(int np, const uint32_t* q2, Py_ssize_t pstride, Py_ssize_t D2, const uint32_t* kt2,
+                      Py_ssize_t ldk, float* s, Py_ssize_t lds) {}
+static void dk_pv_amx(int np, const uint32_t* p2, Py_ssize_t ldp, Py_ssize_t pstride, const uint32_t* v2,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t lda, Py_ssize_t Dp) {}
 #endif
 
 /* kt2[d2 * ldt + c] = pair word (dims 2 d2, 2 d2 + 1) of source row c, c < n, d2 < D / 2 (D even):
@@ -685,12 +718,6 @@ static void dk_load_v2(const void* base, int bf16, Py_ssize_t stride, Py_ssize_t
         uint32_t* dst = v2 + (n / 2) * ldv;
         for (Py_ssize_t d = 0; d < D; d++) dst[d] = dk_att_elem(base, bf16, (n - 1) * stride + d);
     }
-}
-
-/* The last of a query block's key splits to finish merges them (acq_rel: it sees the others'
-   partials), so one parallel region with a single barrier does the whole op. */
-static inline int dk_finish_split(int* remaining) {
-    return __atomic_sub_fetch(remaining, 1, __ATOMIC_ACQ_REL) == 0;
 }
 
 #endif /* DK_ATTENTION_H */

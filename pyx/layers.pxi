@@ -108,7 +108,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
         return
     if parts < 3:  # the vdpbf16ps rule (linear and attention) is measured once, before the C code reads it
         bf16dot_pays()
-    cdef int amx = parts == 1 and amx_available()
+    cdef int amx = amx_available()  # attention on AMX tiles: "medium", or "highest" over a bf16 cache
     if (end if append else start) > k_cache.shape[0]:
         raise ValueError(f"qwen3_layer: positions up to {end if append else start} do not fit the cache of "
                          f"{k_cache.shape[0]}")

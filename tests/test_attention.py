@@ -182,6 +182,32 @@ def test_medium_matches_reference(kernel_backend, t_q, t_ctx, group, d, dtype, c
     _each_medium_path(kernel_backend, check)
 
 
+@given(t_q=st.integers(5, 40), t_ctx=st.integers(1, 300), group=st.integers(1, 6), d=st.sampled_from([64, 128]),
+       window=WINDOWS, seed=st.integers(0, 2**32 - 1))
+def test_highest_on_amx_tiles(t_q, t_ctx, group, d, window, seed):
+    """"highest" over bf16 K and V on AMX tiles (three exact bf16 parts of the queries and of P): within
+    the fp32 tolerance of the reference, as the FMA tiles it replaces (AMX switched off), and not
+    their bits (another summation order: the AMX path ran). Random fp32 queries carry bits that one
+    bf16 part would lose (~1e-3)."""
+    dense = dk.kernel_module("dense", "cython")
+    if not dense.amx_available():
+        pytest.skip("AMX tiles are not available on this CPU")
+    args = _injected_inputs(seed, t_q, t_ctx, 2, group, d, "bfloat16")
+    cargs = _cached_inputs(seed, t_q, t_ctx + t_q, 2, group, d, "bfloat16")
+    fixed = _cached_inputs(0, 16, 200, 2, 4, 128, "bfloat16")  # many keys per row: the orders differ
+    got = [_check_injected(args, "cython", TOLERANCE["bfloat16"], window=window),
+           _check_cached(cargs, "cython", TOLERANCE["bfloat16"], window=window),
+           _check_cached(fixed, "cython", TOLERANCE["bfloat16"])]
+    old = dense.set_amx_enabled(False)
+    try:
+        fma = [_check_injected(args, "cython", TOLERANCE["bfloat16"], window=window),
+               _check_cached(cargs, "cython", TOLERANCE["bfloat16"], window=window),
+               _check_cached(fixed, "cython", TOLERANCE["bfloat16"])]
+    finally:
+        dense.set_amx_enabled(old)
+    assert not np.array_equal(got[2], fma[2])
+
+
 @pytest.mark.parametrize("d", [2, 3, 64])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_medium_rounds_every_operand(kernel_backend, d, kv):
