@@ -14,7 +14,8 @@ uint16), read directly by the kernels. Outputs are float32. Inputs must be finit
 or V give unspecified (typically NaN) outputs for the rows that see them.
 
 Precision (``precision=``, default ``set_matmul_precision``'s): "highest" and "high" compute both
-products exactly in fp32. "medium" gives both products bf16 operands, as torch's bf16 SDPA does: the
+products exactly in fp32 (over bf16 K and V on AMX tiles, the queries and the probabilities split
+into three bf16 parts, whose sum is exact). "medium" gives both products bf16 operands, as torch's bf16 SDPA does: the
 scaled queries, K, V and the probabilities are rounded to bf16 (nearest even), their products are
 exact and summed in fp32, and the softmax's max, exp and sum stay fp32. It runs on AMX tiles where
 the CPU has them, on vdpbf16ps where that measures ahead of FMA (Zen 4: twice the rate), and on FMA

@@ -11,16 +11,17 @@ Work item = (block of query positions, key split). Per key tile, every kv head g
 K/V tile is loaded (copied, upcast) once for all of them. On the FMA tiles the scores are kept
 transposed, S^T = K Q^T with the rows in the vector lanes, so the masked online softmax runs down
 the keys without horizontal reductions; acc += P V runs on register blocks of 8 or 6 rows. With
-bf16 pair words ("medium" on vdpbf16ps, or 16-row AMX tiles) S = Q K^T keeps rows of keys.
+bf16 pair words ("medium" on vdpbf16ps, or 16-row AMX tiles; "highest" over bf16 K and V on AMX
+tiles too, with the queries and P as three exact bf16 parts) S = Q K^T keeps rows of keys.
 A decode step (at most 4 rows per kv head) has too few rows to pay for tiles: its K and V rows are
 read in place, every head of a key in address order (dk_qk_direct; at "medium", FMA on the operands
 rounded as they are read). The kv-head loop sits inside the tile loop
 because one key's rows of all heads share a page: TLB misses are paid once per key, not per head.
-The key split depends on the shape only (never on n_threads); the last split of a query block to
-finish merges the partials in split order, so results are identical for every n_threads.
+The key split depends on the shape only (never on n_threads); once every item is done, each (query
+block, kv head) merges its partials in split order, so results are identical for every n_threads.
 
-The SIMD micro-kernels (exp, register blocks, the softmax over a tile, and for "medium" the bf16 pair words
-with their vdpbf16ps and AMX kernels) are small C functions in dk_attention.h: GCC vector
+The SIMD micro-kernels (exp, register blocks, the softmax over a tile, and the bf16 pair words with
+their vdpbf16ps and AMX kernels) are small C functions in dk_attention.h: GCC vector
 extensions (AVX-512, AVX2 or SSE) and intrinsics with a scalar fallback. The core (attention_core.pxi) is included here and in dense.pyx, whose fused decoder
 layers call it at C level.
 """
