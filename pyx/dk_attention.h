@@ -1,6 +1,7 @@
 /* Attention micro-kernels behind pyx/attention_core.pxi (attention.pyx and the fused layers of
-   dense.pyx): the exp, 4- and 8-row register blocks for S = Q K^T and acc += P V, the K-tile
-   transpose, and the split-merge counter. */
+   dense.pyx): the FMA register blocks for S^T = K Q^T and acc += P V, the online softmax over a
+   tile, the decode path's kernels on K and V read in place, the K/V tile copies, and the bf16 pair
+   words with their vdpbf16ps and AMX kernels. */
 #ifndef DK_ATTENTION_H
 #define DK_ATTENTION_H
 
