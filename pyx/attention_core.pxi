@@ -261,28 +261,18 @@ cdef inline Py_ssize_t _scratch_size(const Problem* P) noexcept nogil:
 cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* qp) noexcept nogil:
     """Query block b's scaled queries, packed per kv head into qp: (H_kv, Rp, D), row r = (t - t0) *
     group + head, or (H_kv, D, Rp) on the FMA tiles; padding rows zero; rounded at "medium", as D / 2
-    pair words for P.dot."""
+    pair words for P.dot, or as three exact parts of them ("highest" on AMX, see _q_floats)."""
     cdef Py_ssize_t H = P.H_kv, Rp = P.rows, D = P.D, group = P.group, t0 = b * P.qb_t
     cdef Py_ssize_t R = min(P.qb_t, P.T_q - t0) * group
     cdef Py_ssize_t g, r, d, t, h, row, n2 = H * Rp * D // 2
     cdef float* dst
     cdef uint16_t* q16 = <uint16_t*>qp
-    if P.nparts == 3:  # each row's three parts as pair words, split from a row of scaled floats
-        dst = qp + 3 * n2
+    if P.nparts == 3:  # three parts as pair words (3 n2 words), split from a row of scaled floats after them
         for r in range(6 * n2):
             q16[r] = 0
-        for g in range(H):
-            for r in range(R):
-                t = t0 + r // group
-                h = g * group + r % group
-                row = (t * P.H_q + h) * D
-                for d in range(D):
-                    dst[d] = q[row + d] * P.scale
-                att_split(dst, D, 3, q16 + (g * Rp + r) * D, q16 + 2 * n2 + (g * Rp + r) * D,
-                          q16 + 4 * n2 + (g * Rp + r) * D)
-        return
-    for r in range(H * Rp * D):
-        qp[r] = 0.0
+    else:
+        for r in range(H * Rp * D):
+            qp[r] = 0.0
     for g in range(H):  # each kv head's group: query head g * group + r % group
         for r in range(R):
             t = t0 + r // group
@@ -291,11 +281,14 @@ cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* q
             if P.fma:  # transposed (strided stores; shared by the key splits, so made once per block)
                 for d in range(D):
                     qp[(g * D + d) * Rp + r] = q[row + d] * P.scale
-            else:
-                dst = qp + (g * Rp + r) * D
-                for d in range(D):
-                    dst[d] = q[row + d] * P.scale
-    if P.dot:  # each row's rounded dims as D / 2 pair words
+                continue
+            dst = qp + 3 * n2 if P.nparts == 3 else qp + (g * Rp + r) * D
+            for d in range(D):
+                dst[d] = q[row + d] * P.scale
+            if P.nparts == 3:
+                att_split(dst, D, 3, q16 + (g * Rp + r) * D, q16 + 2 * n2 + (g * Rp + r) * D,
+                          q16 + 4 * n2 + (g * Rp + r) * D)
+    if P.dot and P.nparts == 1:  # each row's rounded dims as D / 2 pair words
         dk_att_bf16_inplace(qp, H * Rp * D)
     elif P.medium:
         dk_att_round_run(qp, H * Rp * D)
