@@ -204,7 +204,8 @@ def cmd_train_drafter(args) -> int:
                                    n_sequences=args.sequences, threads=args.threads,
                                    init_from=args.init_from, taps=args.taps, prompts=args.prompts,
                                    new_tokens=args.new_tokens, distill=args.distill, sampled=args.sampled,
-                                   sample_temperature=args.sample_temperature), indent=2))
+                                   sample_temperature=args.sample_temperature, draft_vocab=args.draft_vocab,
+                                   draft_vocab_min_count=args.draft_vocab_min_count), indent=2))
     return 0
 
 
@@ -379,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled", type=float, default=0.0, metavar="F",
                    help="fraction of the target continuations sampled (at --sample-temperature) instead of greedy")
     p.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled continuations")
+    p.add_argument("--draft-vocab", default=None, metavar="measure|FILE",
+                   help="train over a drafting vocabulary only (saved beside the drafter): a draft_vocab.json, or "
+                        "'measure' for the tokens of the training continuations (default: the whole vocabulary)")
+    p.add_argument("--draft-vocab-min-count", type=int, default=2,
+                   help="with --draft-vocab measure: occurrences a token needs to enter the vocabulary")
     p.set_defaults(func=cmd_train_drafter)
     return ap
 

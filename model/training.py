@@ -7,6 +7,7 @@ layout (bf16 safetensors, config.json, generation_config.json, tokenizer.json), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -323,6 +324,24 @@ def fast_bf16() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ drafter
+@contextlib.contextmanager
+def _cast_once(model: torch.nn.Module):
+    """Inside one autocast region, cast each weight to bf16 once, not at every matmul.
+
+    autocast keeps its casts of leaf tensors that require grad (and only those), so the frozen
+    target's weights are marked as requiring grad for the duration; under torch.no_grad nothing is
+    recorded. Generating drafter data (SmolLM2-135M, 64 rows) spent a tenth of each decode step
+    re-casting the weights."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
 @torch.no_grad()
 def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps: list[int], batch: int = 32,
                           stop_ids=(), bf16: bool = False, quiet: bool = False, sampled: float = 0.0,
@@ -385,8 +404,10 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
             x[j, pad[j]:] = torch.as_tensor(prompts[r])
         sample_rows = is_sampled[rows]
         seqs, tapped_all = [x], []
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits, tapped, cache = target(x, taps=read, pad=pad)
+        # autocast runs attention in bf16: a bf16 cache holds the very values it would cast each step
+        cache = target.new_cache(len(rows), P + new_tokens, torch.bfloat16 if bf16 else torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _cast_once(target):
+            logits, tapped, cache = target(x, cache=cache, taps=read, pad=pad, last_only=True)
             tapped_all.append(torch.cat(tapped, -1))
             for _ in range(new_tokens):
                 last_logits = logits[:, -1].float()
@@ -396,7 +417,7 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
                                               generator=gen)
                     nxt[sample_rows] = drawn
                 seqs.append(nxt)
-                logits, tapped, cache = target(nxt, cache=cache, taps=read, pad=pad)
+                logits, tapped, cache = target(nxt, cache=cache, taps=read, pad=pad, last_only=True)
                 tapped_all.append(torch.cat(tapped, -1))
         seq, ft = torch.cat(seqs, 1), torch.cat(tapped_all, 1).to(torch.bfloat16)
         for j, r in enumerate(rows):
@@ -450,6 +471,34 @@ def _drafter_prompts(tok, template, source: str, n: int, prompt_len: int, eos_id
     raise ValueError(f"prompts must be 'stdlib' or 'chat', got {source!r}")
 
 
+def _training_vocab(spec, min_count: int, data: dict, n_eval: int, tcfg: dict, out: Path):
+    """The drafting vocabulary train_drafter trains over (sorted int64 ids, saved to out), or None."""
+    from . import draft_vocab as dv
+
+    if spec is None:
+        return None
+    V = tcfg["vocab_size"]
+    if spec != "measure":
+        ids = dv.read(spec, V)
+        source = f"{Path(spec).name}, given to train-drafter"
+        counted = 0
+    else:
+        if min_count < 1:
+            raise ValueError(f"draft_vocab_min_count must be >= 1, got {min_count}")
+        counts = torch.zeros(V, dtype=torch.int64)
+        for r in range(n_eval, data["tokens"].shape[0]):  # the training rows only
+            cont = data["tokens"][r, int(data["prompt_len"][r]): int(data["length"][r])]
+            counts += torch.bincount(cont, minlength=V)
+        eos = tcfg.get("eos_token_id")
+        stops = set(eos if isinstance(eos, list) else [eos]) - {None}
+        ids = sorted(set(torch.nonzero(counts >= min_count).flatten().tolist()) | stops)
+        counted = int(counts.sum())
+        source = (f"tokens written at least {min_count} times in the target's continuations of train-drafter's "
+                  f"training rows ({counted} tokens), and the stop token")
+    dv.write(out / dv.FILE, ids, vocab_size=V, source=source, tokens_counted=counted)
+    return torch.as_tensor(dv.read(out / dv.FILE, V))
+
+
 def mask_token_id(cfg: dict, tok) -> int:
     """The block's mask token: an unused padded embedding row when the embedding has one, else the
     highest-id special token that is not bos / eos / pad (SmolLM2: <empty_output>, id 16)."""
@@ -466,7 +515,8 @@ def mask_token_id(cfg: dict, tok) -> int:
 def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, batch=8, anchors=16,
                   prompt_len=64, new_tokens=192, n_sequences=2048, lr=6e-4, seed=0, resume=True,
                   threads=None, quiet=False, init_from=None, taps=None, prompts="stdlib", bf16=None,
-                  distill: float = 0.0, sampled: float = 0.0, sample_temperature: float = 0.7) -> dict:
+                  distill: float = 0.0, sampled: float = 0.0, sample_temperature: float = 0.7,
+                  draft_vocab: str | None = None, draft_vocab_min_count: int = 2) -> dict:
     """DFlash drafter on the target's own continuations: random anchors, block mask, decayed loss.
 
     target_dir: a checkpoint directory or a GGUF file. prompts: "stdlib" (corpus windows of
@@ -483,6 +533,13 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     which is what sampled drafts are accepted by (acceptance min(1, p/q), docs/dflash.md 4).
     sampled: the fraction of continuations sampled at sample_temperature instead of greedy, so the
     drafter also sees the text that sampling produces (generate_drafter_data).
+
+    draft_vocab: train the drafter to choose among a drafting vocabulary (model/draft_vocab.py) only,
+    as it will at inference: None (the whole vocabulary), a draft_vocab.json, or "measure": the
+    tokens that occur at least draft_vocab_min_count times in the training rows' continuations, plus
+    the stop token. The loss then runs over that subset's logits (SmolLM2: 49152 -> a few thousand
+    rows of the LM head, most of a step's time) and skips labels outside it, which drafting can never
+    propose; the set is saved beside the drafter as draft_vocab.json.
     """
     if not 0.0 <= distill <= 1.0:
         raise ValueError(f"distill must be a weight in [0, 1], got {distill!r}")
@@ -526,7 +583,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         ids = _drafter_prompts(tok, template, prompts, n_sequences, prompt_len, eos, seed)
         stops = (eos,) if prompts == "chat" else ()
         partial = out / "drafter_data.partial.pt"
-        data = generate_drafter_data(target, ids, new_tokens, taps, batch=64, stop_ids=stops, bf16=bf16,
+        data = generate_drafter_data(target, ids, new_tokens, taps, batch=128, stop_ids=stops, bf16=bf16,
                                      quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed,
                                      checkpoint=partial)
         data.update(taps=taps, sampled_fraction=sampled, sample_temperature=sample_temperature)
@@ -546,6 +603,12 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     n_all = data["tokens"].shape[0]
     n_eval = max(1, n_all // 16)
+    vocab = _training_vocab(draft_vocab, draft_vocab_min_count, data, n_eval, tcfg, out)
+    head = lm_head if vocab is None else lm_head[vocab]  # the rows drafting chooses among
+    to_sub = None
+    if vocab is not None:  # target id -> row of head, -1 outside the drafting vocabulary
+        to_sub = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
+        to_sub[vocab] = torch.arange(len(vocab))
     gen = torch.Generator().manual_seed(seed + step)
     offs = torch.arange(block_size)
 
@@ -565,10 +628,14 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
         valid = ((anc[..., None] + offs) < length[:, None, None])[..., 1:].float()  # (B, N, Bk-1)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden = drafter(F.embedding(ids, embed), pos, feats, anc)
-            logits = F.linear(hidden.view(B, anchors, block_size, -1)[:, :, 1:], lm_head)
+            logits = F.linear(hidden.view(B, anchors, block_size, -1)[:, :, 1:], head)
         logits = logits.float()
         labels = torch.gather(rows, 1, pos).view(B, anchors, block_size)[..., 1:]
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        if to_sub is not None:
+            labels = to_sub[labels]  # -1: a token drafting cannot propose; never accepted, not trained
+        known = (labels >= 0).float()
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.clamp(min=0).flatten(),
+                             reduction="none").view(labels.shape)
         teacher = None
         if (distill or teacher_needed) and "final" in data:
             # the target's distribution for the token at p is its LM head on its state at p - 1
@@ -576,12 +643,15 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
             final = data["final"][idx]
             state = torch.gather(final, 1, prev[..., None].expand(-1, -1, final.shape[-1]))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
+                # the whole vocabulary: the eval's acceptance needs the target's true probabilities
                 teacher = F.linear(state.float().view(B, anchors, block_size - 1, -1), lm_head).float()
         if distill:
-            soft = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            # within the drafting vocabulary the best q is the target's p renormalised over it
+            sub = teacher if vocab is None else teacher[..., vocab]
+            soft = -(torch.softmax(sub, -1) * torch.log_softmax(logits, -1)).sum(-1)
             ce = (1.0 - distill) * ce + distill * soft
         acc = (logits.argmax(-1) == labels).float() * valid
-        w = weights * valid
+        w = weights * valid * known
         return (ce * w).sum() / w.sum().clamp(min=1e-6), acc, (None if teacher is None else (teacher, logits, valid))
 
     def tau_estimate(accept: torch.Tensor) -> float:
@@ -601,7 +671,10 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
             # sampling at T accepts a draft with probability sum_v min(p_T(v), q_T(v)) (docs/dflash.md 4)
             teacher, logits, valid = dists
             t = sample_temperature
-            accept = torch.minimum(torch.softmax(teacher / t, -1), torch.softmax(logits / t, -1)).sum(-1) * valid
+            p = torch.softmax(teacher / t, -1)
+            if vocab is not None:
+                p = p[..., vocab]  # the drafter's q is zero elsewhere
+            accept = torch.minimum(p, torch.softmax(logits / t, -1)).sum(-1) * valid
             out[f"eval_tau_estimate_t{t:g}"] = tau_estimate(accept)
         return out
 
@@ -615,6 +688,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
 
     step = _optimize("train-drafter", drafter, opt, step, steps, lr, 100, step_loss, 250, on_eval, log_path, quiet)
     final = {**eval_metrics(), "steps": step, "taps": taps, "distill": distill, "sampled": sampled,
+             "draft_vocab": None if vocab is None else len(vocab),
              "n_params": sum(p.numel() for p in drafter.parameters())}
     save_drafter(drafter, out, tcfg, taps, mask_id, block_size)
     (out / "train_result.json").write_text(json.dumps(final, indent=2) + "\n")

@@ -249,8 +249,14 @@ def test_drafter_data_resumes_from_its_checkpoint_as_if_never_interrupted(tiny_p
         def __init__(self, stop_at=None):
             self.prefills, self.stop_at = 0, stop_at
 
+        def new_cache(self, *a):
+            return target.new_cache(*a)
+
+        def parameters(self):
+            return target.parameters()
+
         def __call__(self, x, cache=None, **a):
-            if cache is None:
+            if cache.length == 0:
                 self.prefills += 1
                 if self.prefills == self.stop_at:
                     raise KeyboardInterrupt
@@ -268,3 +274,64 @@ def test_drafter_data_resumes_from_its_checkpoint_as_if_never_interrupted(tiny_p
     torch.testing.assert_close(resumed["feats"].float(), whole["feats"].float())
     with pytest.raises(ValueError, match="another run"):  # other settings never mix with a partial file
         T.generate_drafter_data(target, prompts, 9, [0, 2], checkpoint=ckpt, **kw)
+
+
+def test_cached_forward_equals_the_whole_sequence(tiny_pair):
+    """Prefill then one token at a time through the in-place KVCache gives the logits and taps of one
+    forward over the whole sequence, left padding included."""
+    out, _, _ = tiny_pair
+    target = T.load_torch_target(out / "target")
+    ids = torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([0, 3])
+    with torch.no_grad():
+        whole, taps, _ = target(ids, taps=[1], pad=pad)
+        cache = target.new_cache(2, 12)
+        logits, tapped, cache = target(ids[:, :8], cache=cache, taps=[1], pad=pad, last_only=True)
+        torch.testing.assert_close(logits[:, 0], whole[:, 7])
+        for j in range(8, 12):
+            logits, tapped, cache = target(ids[:, j:j + 1], cache=cache, taps=[1], pad=pad)
+            torch.testing.assert_close(logits[:, 0], whole[:, j], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tapped[0][:, 0], taps[0][:, j], rtol=1e-5, atol=1e-5)
+        assert cache.length == 12
+        with pytest.raises(ValueError, match="max_len 12"):
+            target(ids[:, :1], cache=cache)
+
+
+def test_drafter_trains_over_a_drafting_vocabulary(tiny_pair, tmp_path):
+    from dflash_kernels.model import draft_vocab as dv
+
+    out, _, _ = tiny_pair
+    kw = dict(steps=12, layers=2, batch=4, anchors=4, prompt_len=16, new_tokens=40, n_sequences=32, lr=3e-3,
+              quiet=True, distill=0.5)
+    full = T.train_drafter(tmp_path / "full", out / "target", **kw)
+    V = json.loads((out / "target" / "config.json").read_text())["vocab_size"]
+    every = tmp_path / "every.json"
+    dv.write(every, range(V), vocab_size=V, source="test", tokens_counted=0)
+    same = T.train_drafter(tmp_path / "every", out / "target", draft_vocab=str(every), **kw)
+    # the whole vocabulary as a drafting vocabulary is the unrestricted run, step for step
+    assert _losses(tmp_path / "every" / "train_log.jsonl") == _losses(tmp_path / "full" / "train_log.jsonl")
+    assert same["draft_vocab"] == V and full["draft_vocab"] is None
+    assert same["eval_tau_estimate_t0.7"] == full["eval_tau_estimate_t0.7"]
+
+    measured = T.train_drafter(tmp_path / "m", out / "target", draft_vocab="measure", draft_vocab_min_count=3, **kw)
+    ids = dv.read(tmp_path / "m" / dv.FILE, V)
+    data = torch.load(tmp_path / "m" / "drafter_data.pt")
+    n_eval = max(1, data["tokens"].shape[0] // 16)
+    counts = torch.zeros(V, dtype=torch.int64)
+    for r in range(n_eval, data["tokens"].shape[0]):
+        counts += torch.bincount(data["tokens"][r, int(data["prompt_len"][r]): int(data["length"][r])], minlength=V)
+    eos = json.loads((out / "target" / "config.json").read_text())["eos_token_id"]
+    expect = set(torch.nonzero(counts >= 3).flatten().tolist()) | set(eos if isinstance(eos, list) else [eos])
+    assert set(ids.tolist()) == expect and measured["draft_vocab"] == len(ids) < V
+    assert np.isfinite(measured["eval_loss"]) and 1.0 <= measured["eval_tau_estimate"] <= 16.0
+    # the drafter directory carries its vocabulary, which the inference layer reads
+    from dflash_kernels import model as M
+
+    eng = M.load(out / "target", tmp_path / "m")
+    assert np.array_equal(eng.drafter.draft_ids, ids)
+    with pytest.raises(ValueError, match="not a draft vocabulary"):
+        bad = tmp_path / "bad.json"
+        bad.write_text("{}")
+        T.train_drafter(tmp_path / "bad", out / "target", draft_vocab=str(bad), **kw)
+    with pytest.raises(ValueError, match="min_count"):
+        T.train_drafter(tmp_path / "bad2", out / "target", draft_vocab="measure", draft_vocab_min_count=0, **kw)
