@@ -8,6 +8,7 @@ layout (bf16 safetensors, config.json, generation_config.json, tokenizer.json), 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import random
 import time
@@ -324,6 +325,25 @@ def fast_bf16() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ drafter
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of handing it back to the kernel.
+
+    A drafter training step allocates and frees tens of MB of activations; by default glibc maps
+    each such block afresh and unmaps it on free, so every step page-faults its working set in again
+    (half of the process's CPU time was system time). Blocks up to 32 MiB now come from the heap,
+    whose top is kept: 0.74 against 1.20 s a step (SmolLM2-135M drafter, batch 8, 2 threads, Intel
+    Xeon with AMX; the same run with MALLOC_MMAP_THRESHOLD_ etc. set, same losses). Process-wide and
+    harmless elsewhere; returns False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 16 << 30)
+                and mallopt(M_TOP_PAD, 1 << 30))
+
+
 @contextlib.contextmanager
 def _cast_once(model: torch.nn.Module):
     """Inside one autocast region, cast each weight to bf16 once, not at every matmul.
@@ -547,6 +567,7 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     out.mkdir(parents=True, exist_ok=True)
     if threads:
         torch.set_num_threads(threads)
+    keep_freed_memory()
     bf16 = fast_bf16() if bf16 is None else bool(bf16)
     target = load_torch_target(target_dir)
     for p in target.parameters():
@@ -643,11 +664,13 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
             final = data["final"][idx]
             state = torch.gather(final, 1, prev[..., None].expand(-1, -1, final.shape[-1]))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
-                # the whole vocabulary: the eval's acceptance needs the target's true probabilities
-                teacher = F.linear(state.float().view(B, anchors, block_size - 1, -1), lm_head).float()
+                # the eval's acceptance needs the target's probabilities over the whole vocabulary;
+                # training only over the drafting vocabulary, where the best q is the target's p
+                # renormalised over it
+                teacher = F.linear(state.float().view(B, anchors, block_size - 1, -1),
+                                   lm_head if teacher_needed else head).float()
         if distill:
-            # within the drafting vocabulary the best q is the target's p renormalised over it
-            sub = teacher if vocab is None else teacher[..., vocab]
+            sub = teacher if vocab is None or not teacher_needed else teacher[..., vocab]
             soft = -(torch.softmax(sub, -1) * torch.log_softmax(logits, -1)).sum(-1)
             ce = (1.0 - distill) * ce + distill * soft
         acc = (logits.argmax(-1) == labels).float() * valid
