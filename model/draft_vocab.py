@@ -8,8 +8,11 @@ writes (as EAGLE-3 drafts over 32k of Llama 3's 128k) keeps the output exactly t
 costs acceptance only where the target writes a token outside the set.
 
 The set is measured, not guessed: the tokens the target generates on the training prompts
-(greedy), plus the stop tokens. It is stored beside the drafter as ``draft_vocab.json`` (a file
-other engines ignore); ``model.load`` uses it when present (``draft_vocab=False`` turns it off).
+(greedy), plus the stop tokens, by this module's command below; or, when a drafter is trained over
+its drafting vocabulary (``dflash train-drafter --draft-vocab measure``, model/training.py), the
+tokens of its training data's continuations. It is stored beside the drafter as
+``draft_vocab.json`` (a file other engines ignore); ``model.load`` uses it when present
+(``draft_vocab=False`` turns it off).
 
     python -m dflash_kernels.model.draft_vocab --model smollm2 --n-prompts 200 --max-new-tokens 96 \\
         --out model/default/smollm2-drafter/draft_vocab.json
