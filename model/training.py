@@ -515,8 +515,9 @@ def _training_vocab(spec, min_count: int, data: dict, n_eval: int, tcfg: dict, o
         counted = int(counts.sum())
         source = (f"tokens written at least {min_count} times in the target's continuations of train-drafter's "
                   f"training rows ({counted} tokens), and the stop token")
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
     dv.write(out / dv.FILE, ids, vocab_size=V, source=source, tokens_counted=counted)
-    return torch.as_tensor(dv.read(out / dv.FILE, V))
+    return torch.from_numpy(ids)
 
 
 def mask_token_id(cfg: dict, tok) -> int:
