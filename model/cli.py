@@ -205,7 +205,8 @@ def cmd_train_drafter(args) -> int:
                                    init_from=args.init_from, taps=args.taps, prompts=args.prompts,
                                    new_tokens=args.new_tokens, distill=args.distill, sampled=args.sampled,
                                    sample_temperature=args.sample_temperature, draft_vocab=args.draft_vocab,
-                                   draft_vocab_min_count=args.draft_vocab_min_count), indent=2))
+                                   draft_vocab_min_count=args.draft_vocab_min_count, seed=args.seed),
+                     indent=2))
     return 0
 
 
@@ -373,7 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "chat template")
     p.add_argument("--new-tokens", type=int, default=192, help="target continuation tokens per prompt")
     p.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
-                   help="start from this drafter checkpoint's weights (fine-tuning; same shapes and taps)")
+                   help="start from this drafter checkpoint's weights (fine-tuning; same taps and widths; "
+                        "with more --layers than it has, the extra layers start as identities)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts' order, the sampled continuations and the anchors (a new seed "
+                        "gives new data for a further stage)")
     p.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="weight in [0, 1] of the soft cross-entropy to the target's next-token distribution "
                         "(the rest: cross-entropy to the continuation's tokens)")

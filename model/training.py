@@ -460,7 +460,9 @@ def generate_drafter_data(target: Qwen3LM, prompts: list, new_tokens: int, taps:
 
 
 def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
-    """Load a saved drafter's weights (bf16 safetensors) into the trainable module, checking its taps."""
+    """Load a saved drafter's weights (bf16 safetensors) into the trainable module, checking its taps.
+
+    The module may have more layers than the checkpoint: the extra ones start as identities."""
     from safetensors.torch import load_file
 
     cfg = json.loads((src / "config.json").read_text())
@@ -468,10 +470,21 @@ def _init_drafter(drafter, src: Path, taps: list[int]) -> None:
     if src_taps != taps:
         raise ValueError(f"{src / 'config.json'}: target_layer_ids {src_taps} != {taps} for this target")
     state = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
+    n_src = cfg.get("num_hidden_layers", len(drafter.layers))
+    grown = range(n_src, len(drafter.layers)) if 0 < n_src < len(drafter.layers) else range(0)
+    # a deeper drafter grows from a shallower one: the source's layers come first, and each new layer
+    # starts as the identity (its attention and MLP outputs zeroed), so training starts from exactly
+    # the source's drafts
+    new = {f"layers.{i}.{name}" for i in grown for name in drafter.layers[i].state_dict()}
+    state.update({k: v for k, v in drafter.state_dict().items() if k in new})
     try:
         drafter.load_state_dict(state)  # strict: names missing, unexpected or of another shape
     except RuntimeError as err:
         raise ValueError(f"{src / 'model.safetensors'}: does not match the drafter: {err}") from None
+    with torch.no_grad():
+        for i in grown:
+            drafter.layers[i].self_attn.o_proj.weight.zero_()
+            drafter.layers[i].mlp.down_proj.weight.zero_()
 
 
 def _drafter_prompts(tok, template, source: str, n: int, prompt_len: int, eos_id: int, seed: int):

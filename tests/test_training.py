@@ -132,6 +132,23 @@ def test_drafter_fine_tunes_from_checkpoint_with_chosen_taps(tiny_pair, tmp_path
         T.train_drafter(tmp_path / "bad2", out / "target", taps=[4], **kw)
 
 
+def test_deeper_drafter_grows_from_checkpoint_as_identity_layers(tiny_pair, tmp_path):
+    """--init-from a shallower drafter: the extra layers start as identities, so the grown drafter's
+    first evaluation is the checkpoint's own."""
+    out, _, _ = tiny_pair
+    taps = json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    kw = dict(steps=0, batch=4, anchors=4, prompt_len=16, new_tokens=40, n_sequences=32, quiet=True, taps=taps)
+    start = T.train_drafter(tmp_path / "start", out / "target", init_from=out / "drafter", layers=2, **kw)
+    grown = T.train_drafter(tmp_path / "grown", out / "target", init_from=out / "drafter", layers=4, **kw)
+    assert grown["eval_loss"] == start["eval_loss"]
+    assert grown["eval_tau_estimate"] == start["eval_tau_estimate"]
+    trained = T.train_drafter(tmp_path / "trained", out / "target", init_from=out / "drafter", layers=3,
+                              **{**kw, "steps": 2})
+    assert np.isfinite(trained["eval_loss"])
+    with pytest.raises(ValueError, match="does not match the drafter"):  # fewer layers than the checkpoint
+        T.train_drafter(tmp_path / "shrunk", out / "target", init_from=out / "drafter", layers=1, **kw)
+
+
 def test_drafter_data_from_prompts_of_any_length_equals_one_by_one(tiny_pair):
     """Left-padded batches (prompts of different lengths) give each row the tokens, stop and tap
     features of generating it alone."""
