@@ -602,7 +602,9 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     drafter = DFlashDrafter(dcfg, n_taps=len(taps))
     data_path = out / "drafter_data.pt"
     if data_path.exists():
-        data = torch.load(data_path)
+        # memory-mapped: the features are read from the page cache as batches need them (SmolLM2's
+        # 6000 continuations are 11.5 GB; loading them whole beside a training step ran out of 24 GB)
+        data = torch.load(data_path, mmap=True)
         if data.get("taps") != taps:
             raise ValueError(f"{data_path}: features of target layers {data.get('taps')}, not {taps}; "
                              "delete it to regenerate")
