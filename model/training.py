@@ -601,31 +601,31 @@ def train_drafter(out_dir, target_dir, *, steps=3000, layers=1, block_size=16, b
     torch.manual_seed(seed)
     drafter = DFlashDrafter(dcfg, n_taps=len(taps))
     data_path = out / "drafter_data.pt"
-    if data_path.exists():
-        # memory-mapped: the features are read from the page cache as batches need them (SmolLM2's
-        # 6000 continuations are 11.5 GB; loading them whole beside a training step ran out of 24 GB)
-        data = torch.load(data_path, mmap=True)
-        if data.get("taps") != taps:
-            raise ValueError(f"{data_path}: features of target layers {data.get('taps')}, not {taps}; "
-                             "delete it to regenerate")
-        made = (data.get("sampled_fraction", 0.0), data.get("sample_temperature", sample_temperature))
-        if made != (sampled, sample_temperature) or (distill and "final" not in data):
-            raise ValueError(f"{data_path}: made with sampled={made[0]}, temperature={made[1]}"
-                             f"{'' if 'final' in data else ', without the target distributions'}; this run asks "
-                             f"for sampled={sampled}, temperature={sample_temperature}"
-                             f"{', distill' if distill else ''}: delete it to regenerate")
-    else:
+    if not data_path.exists():
         eos = tcfg.get("eos_token_id")
         eos = eos if isinstance(eos, int) else tcfg.get("bos_token_id", 0)
         ids = _drafter_prompts(tok, template, prompts, n_sequences, prompt_len, eos, seed)
         stops = (eos,) if prompts == "chat" else ()
         partial = out / "drafter_data.partial.pt"
-        data = generate_drafter_data(target, ids, new_tokens, taps, batch=128, stop_ids=stops, bf16=bf16,
-                                     quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed,
-                                     checkpoint=partial)
-        data.update(taps=taps, sampled_fraction=sampled, sample_temperature=sample_temperature)
-        torch.save(data, data_path)
+        fresh = generate_drafter_data(target, ids, new_tokens, taps, batch=128, stop_ids=stops, bf16=bf16,
+                                      quiet=quiet, sampled=sampled, temperature=sample_temperature, seed=seed,
+                                      checkpoint=partial)
+        fresh.update(taps=taps, sampled_fraction=sampled, sample_temperature=sample_temperature)
+        torch.save(fresh, data_path)
         partial.unlink(missing_ok=True)
+        del fresh  # read back memory-mapped below, like a resumed run's
+    # memory-mapped, fresh data too: the features are read from the page cache as batches need them
+    # (SmolLM2's 6000 continuations are 11.5 GB; held in memory beside training they ran out of 24 GB)
+    data = torch.load(data_path, mmap=True)
+    if data.get("taps") != taps:
+        raise ValueError(f"{data_path}: features of target layers {data.get('taps')}, not {taps}; "
+                         "delete it to regenerate")
+    made_with = (data.get("sampled_fraction", 0.0), data.get("sample_temperature", sample_temperature))
+    if made_with != (sampled, sample_temperature) or (distill and "final" not in data):
+        raise ValueError(f"{data_path}: made with sampled={made_with[0]}, temperature={made_with[1]}"
+                         f"{'' if 'final' in data else ', without the target distributions'}; this run asks "
+                         f"for sampled={sampled}, temperature={sample_temperature}"
+                         f"{', distill' if distill else ''}: delete it to regenerate")
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     state_path, log_path = out / "train_state.pt", out / "train_log.jsonl"
     step = _resume(state_path, log_path, drafter, opt) if resume else 0
