@@ -21,9 +21,9 @@ cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
 cdef extern from "dk_threads.h" nogil:
-    Py_ssize_t PARALLEL_MACS "DK_PARALLEL_MACS"
     Py_ssize_t PARALLEL_ELEMS "DK_PARALLEL_ELEMS"
     int _threads "dk_threads"(Py_ssize_t work, Py_ssize_t per_thread, int n_threads)
+    int dk_matmul_threads(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int wbytes, int n_threads)
 
 cdef extern from "dk_dense.h" nogil:
     int DK_MR, DK_NR, DK_KC, DK_VW
@@ -321,7 +321,7 @@ def linear(const float[:, ::1] x, const wtype[:, ::1] weight, const float[::1] b
     cdef float *xr = NULL
     cdef float *xpad
     cdef Py_ssize_t ldx, m, n_lo
-    cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    cdef int nt = dk_matmul_threads(M, N, K, 2 if bf16 else 4, n_threads)
     cdef Py_ssize_t g0 = 0  # first column group left to the FMA paths
     if bf16 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
@@ -466,7 +466,7 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
             for g in range(N):
                 op[m * N + g] = 0.0 if bp == NULL else bp[g]
         return 0
-    cdef int nt = _threads(M * N * K, PARALLEL_MACS, n_threads)
+    cdef int nt = dk_matmul_threads(M, N, K, 2 if bf16 else 4, n_threads)
     if bf16 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
     cdef int path = _choose_packed_path(M, bf16, parts) if weights_finite else PATH_FMA_PACKED
