@@ -24,8 +24,8 @@ static inline int dk_threads(long work, long per_thread, int n_threads) {
 
 /* A matmul's team: by its multiply-adds, or by its weights' bytes where few rows make the call a
    stream of the weights (a decode step's GEMV: one core's share of the memory bus is well under two
-   cores'; a 576 x 576 bf16 GEMV from DRAM on a Zen 4 took 0.59x the time on two threads, and a warm
-   one 0.84x; docs/benchmarks.md, session 26). */
+   cores'; a 576 x 576 bf16 GEMV on a Zen 4 took 0.67x the time on two threads from DRAM and 0.59x
+   warm: bench/gemv_threads.py, docs/benchmarks.md session 26). */
 static inline int dk_matmul_threads(long M, long N, long K, int wbytes, int n_threads) {
     int by_macs = dk_threads(M * N * K, DK_PARALLEL_MACS, n_threads);
     int by_bytes = dk_threads(N * K * wbytes, DK_PARALLEL_BYTES, n_threads);
