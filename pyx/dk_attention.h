@@ -20,6 +20,10 @@
    often a whole page, and hardware prefetchers do not follow strides across pages. */
 static inline void dk_prefetch(const void* p, Py_ssize_t nbytes) {
     for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 1);
+    /* An empty volatile asm is a side effect. Without it GCC 12's modref pass finds a caller that
+       only prefetches (attention_core.pxi's _prefetch_keys) pure, and deletes every call to it:
+       no attention build had a single prefetch instruction before session 27. */
+    __asm__ volatile("");
 }
 
 /* Register-blocked micro-kernels for the FMA tiles, written with GCC vector extensions so the
