@@ -59,6 +59,7 @@ from .linear_attention import (
     gated_rms_norm,
     split_query_gate,
 )
+from .quant import QuantizedRows, pack_quantized
 
 __all__ = [
     "accept_greedy",
@@ -89,6 +90,8 @@ __all__ = [
     "pack_weight",
     "prepare_weight",
     "PackedWeight",
+    "QuantizedRows",
+    "pack_quantized",
     "Qwen3Layer",
     "prepare_qwen3_layer",
     "qwen3_layer",

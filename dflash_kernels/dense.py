@@ -72,22 +72,29 @@ class PackedWeight:
     weight, made here; ``linear`` then reads it in place. Build it with ``pack_weight`` or
     ``prepare_weight``.
 
-    Attributes: ``shape`` (N, K); ``dtype`` of the source (float32, or uint16 bf16 bit patterns);
-    ``data``, the packed values (1-D, read-only); ``nbytes``; ``finite``, whether every weight is
-    finite (infinite weights keep linear on the FMA tiles: IEEE x * inf, see ``linear_packed``).
+    Attributes: ``shape`` (N, K); ``dtype`` of the source (float32, uint16 bf16 bit patterns, or
+    uint8 for GGUF blocks); ``data``, the packed values (1-D, read-only); ``nbytes``; ``finite``,
+    whether every weight is finite (infinite weights keep linear on the FMA tiles: IEEE x * inf, see
+    ``linear_packed``); ``quant``, 0, or the format of GGUF blocks kept as they are
+    (``dflash_kernels.quant.pack_quantized``: 2 for Q4_0 / Q4_1, 3 for Q8_0).
     """
 
-    __slots__ = ("shape", "dtype", "data", "finite")
+    __slots__ = ("shape", "dtype", "data", "finite", "quant")
 
-    def __init__(self, shape, dtype, data, finite=True):
-        self.shape, self.dtype, self.data, self.finite = shape, dtype, data, finite
+    def __init__(self, shape, dtype, data, finite=True, quant=0):
+        self.shape, self.dtype, self.data, self.finite, self.quant = shape, dtype, data, finite, quant
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
     def unpack(self) -> np.ndarray:
-        """The weight (N, K) as it was given (exact: packing only moves values)."""
+        """The weight (N, K) as it was given (exact: packing only moves values); GGUF blocks as their
+        exact float32 values."""
+        if self.quant:
+            from .quant import unpack_quantized
+
+            return unpack_quantized(self.data, self.shape, self.quant)
         n, k = self.shape
         n16 = -(-n // PANEL)
         if self.dtype == np.uint16:
@@ -102,6 +109,10 @@ class PackedWeight:
         return w if dtype is None else w.astype(dtype)
 
     def __repr__(self) -> str:
+        if self.quant:
+            from .quant import FORMAT_NAMES
+
+            return f"PackedWeight(shape={self.shape}, dtype={FORMAT_NAMES[self.quant]})"
         dt = "bfloat16" if self.dtype == np.uint16 else "float32"
         return f"PackedWeight(shape={self.shape}, dtype={dt})"
 
@@ -110,6 +121,8 @@ class PackedWeight:
         float32): the form ``torch.ops.dflash.linear_packed`` takes, with ``shape`` and ``finite``."""
         import torch
 
+        if self.quant:
+            raise TypeError("a PackedWeight of GGUF blocks runs on the Cython kernels only (no torch op takes it)")
         with warnings.catch_warnings():  # read-only by design: nothing writes through this tensor
             warnings.simplefilter("ignore", UserWarning)
             if self.dtype == np.uint16:
@@ -206,9 +219,10 @@ def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Ar
 
     Parameters
     ----------
-    weight : ndarray, torch.Tensor or PackedWeight, shape (N, K)
+    weight : ndarray, torch.Tensor, PackedWeight or QuantizedRows, shape (N, K)
         float32 or bf16 (torch.bfloat16 / numpy uint16 bit patterns). A ``PackedWeight`` is returned as
-        it is.
+        it is; GGUF blocks (``dflash_kernels.quant.QuantizedRows``) are packed as they are
+        (``pack_quantized``) where Cython runs, else expanded to their exact float32 values.
     backend : {"auto", "cython", "numba", "torch"}, default "auto"
         The backend ``linear`` will run on; "auto" takes the first available (``available_backends()``).
 
@@ -236,6 +250,11 @@ def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Ar
     """
     if isinstance(weight, PackedWeight):
         return weight
+    from .quant import QuantizedRows, pack_quantized  # (quant builds on this module)
+
+    if isinstance(weight, QuantizedRows):  # GGUF blocks: run as they are where Cython runs
+        cython = resolve(backend, "dense")[0] == "cython"
+        return pack_quantized(weight) if cython and weight.blocks.size else weight.dequantize()
     w = float_array(weight, "weight", ndim=2)
     if resolve(backend, "dense")[0] != "cython" or not w.size:
         return weight
@@ -325,7 +344,8 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
         if packed is not None:
             name, mod = resolve(backend, "dense")
             if name == "cython":
-                mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite)
+                mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite,
+                                  quant=packed.quant)
             else:  # the other backends read the row-major layout
                 run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
         elif backend in ("auto", None) and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt) \

@@ -43,6 +43,12 @@ class GatedDeltaNetLayer(_PreparedLayer):
                  "num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "eps", "finite_mask")
     MATMULS = ("w_proj", "w_out", "w_gate_up", "w_down")
 
+    @property
+    def fused(self) -> bool:
+        """As the other layers, but not over GGUF blocks (the compiled Gated DeltaNet layer reads
+        float32 / bf16 panels only; such weights run through the composed ops)."""
+        return super().fused and self.quant == 0
+
     def __init__(self, *, w_in, w_proj, conv, neg_a, dt_bias, norm, w_out, w_post, w_gate_up, w_down,
                  num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, eps: float):
         self.w_in, self.w_proj, self.conv, self.neg_a, self.dt_bias = w_in, w_proj, conv, neg_a, dt_bias

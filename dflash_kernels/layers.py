@@ -34,6 +34,7 @@ from ._threads import resolve_threads
 from .attention import cached_attention, injected_kv_attention
 from .dense import PackedWeight, apply_rope, linear, prepare_weight, rms_norm, silu_and_mul
 from .linear_attention import apply_output_gate, split_query_gate
+from .quant import QuantizedRows
 
 
 class _PreparedLayer:
@@ -58,8 +59,15 @@ class _PreparedLayer:
 
     @property
     def fused(self) -> bool:
-        """Whether the layer runs as one compiled call (every matmul weight packed)."""
-        return all(isinstance(getattr(self, n), PackedWeight) for n in self.MATMULS)
+        """Whether the layer runs as one compiled call: every matmul weight packed, all of one storage
+        (float32, bf16, or GGUF blocks of one format)."""
+        ws = [getattr(self, n) for n in self.MATMULS]
+        return all(isinstance(w, PackedWeight) for w in ws) and len({(w.dtype, w.quant) for w in ws}) == 1
+
+    @property
+    def quant(self) -> int:
+        """The matmul weights' GGUF block format (PackedWeight.quant; 0: float32 / bf16 panels)."""
+        return getattr(getattr(self, self.MATMULS[0]), "quant", 0)
 
 
 class Qwen3Layer(_PreparedLayer):
@@ -99,15 +107,28 @@ class Qwen3Layer(_PreparedLayer):
                 f"intermediate={self.intermediate_size}, qk_norm={self.q_norm is not None}, fused={self.fused})")
 
 
-def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray:
+def _weight(weights: Mapping, name: str, shape: tuple, dtype=None) -> np.ndarray | QuantizedRows:
+    """weights[name] checked: its shape, and its storage (a dtype, or a GGUF block type) if given."""
     if name not in weights:
         raise KeyError(f"missing tensor {name!r}")
-    w = float_array(weights[name], name, ndim=len(shape))
+    w = weights[name]
+    if not isinstance(w, QuantizedRows):
+        w = float_array(w, name, ndim=len(shape))
     if w.shape != shape:
         raise ValueError(f"tensor {name!r} must have shape {shape}, got {w.shape}")
-    if dtype is not None and w.dtype != dtype:
-        raise TypeError(f"tensor {name!r} must have the dtype of the other projections ({dtype}), got {w.dtype}")
+    if dtype is not None and _storage(w) != dtype:
+        raise TypeError(f"tensor {name!r} must have the dtype of the other projections ({dtype}), got {_storage(w)}")
     return w
+
+
+def _storage(w) -> object:
+    """A projection's storage: its dtype, or its GGUF block type (QuantizedRows)."""
+    return w.qtype if isinstance(w, QuantizedRows) else w.dtype
+
+
+def _stack(parts):
+    """Projections' rows stacked (the fused qkv and gate_up weights); GGUF blocks stay blocks."""
+    return QuantizedRows.concat(parts) if isinstance(parts[0], QuantizedRows) else np.concatenate(parts)
 
 
 @shared_doc
@@ -127,7 +148,8 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     Parameters
     ----------
     weights : Mapping[str, ndarray or torch.Tensor]
-        The layer's tensors by name. Matmul weights float32 or bf16, all of one dtype.
+        The layer's tensors by name. Matmul weights float32 or bf16, all of one dtype, or GGUF blocks
+        (``dflash_kernels.quant.QuantizedRows``), all of one block type.
     num_attention_heads, num_key_value_heads : int
         Query and kv heads (GQA: the first a multiple of the second), positive.
     head_dim : int
@@ -199,14 +221,15 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
     H = w_in.shape[0]
     qd, kvd = num_attention_heads * head_dim, num_key_value_heads * head_dim
     wq = _weight(weights, a + "q_proj.weight", (2 * qd if output_gate else qd, H))
-    wk = _weight(weights, a + "k_proj.weight", (kvd, H), wq.dtype)
-    wv = _weight(weights, a + "v_proj.weight", (kvd, H), wq.dtype)
-    wo = _weight(weights, a + "o_proj.weight", (H, qd), wq.dtype)
+    wk = _weight(weights, a + "k_proj.weight", (kvd, H), _storage(wq))
+    wv = _weight(weights, a + "v_proj.weight", (kvd, H), _storage(wq))
+    wo = _weight(weights, a + "o_proj.weight", (H, qd), _storage(wq))
     gate = weights.get(m + "gate_proj.weight")
-    inter = _numpy_view(gate, m + "gate_proj.weight").shape[0] if gate is not None else 0
-    wg = _weight(weights, m + "gate_proj.weight", (inter, H), wq.dtype)
-    wu = _weight(weights, m + "up_proj.weight", (inter, H), wq.dtype)
-    wd = _weight(weights, m + "down_proj.weight", (H, inter), wq.dtype)
+    inter = (gate if isinstance(gate, QuantizedRows) else _numpy_view(gate, m + "gate_proj.weight")).shape[0] \
+        if gate is not None else 0
+    wg = _weight(weights, m + "gate_proj.weight", (inter, H), _storage(wq))
+    wu = _weight(weights, m + "up_proj.weight", (inter, H), _storage(wq))
+    wd = _weight(weights, m + "down_proj.weight", (H, inter), _storage(wq))
     has_q, has_k = a + "q_norm.weight" in weights, a + "k_norm.weight" in weights
     if has_q != has_k:
         raise KeyError(f"{a}q_norm.weight and {a}k_norm.weight come together (Qwen3) or not at all (Llama); "
@@ -224,8 +247,8 @@ def prepare_qwen3_layer(weights: Mapping[str, Array], *, num_attention_heads: in
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     prep = lambda w: prepare_weight(w, backend=backend)  # noqa: E731
     return Qwen3Layer(
-        w_in=w_in, w_qkv=prep(np.concatenate([wq, wk, wv])), q_norm=qn, k_norm=kn, w_o=prep(wo), w_post=w_post,
-        w_gate_up=prep(np.concatenate([wg, wu])), w_down=prep(wd), num_heads=int(num_attention_heads),
+        w_in=w_in, w_qkv=prep(_stack([wq, wk, wv])), q_norm=qn, k_norm=kn, w_o=prep(wo), w_post=w_post,
+        w_gate_up=prep(_stack([wg, wu])), w_down=prep(wd), num_heads=int(num_attention_heads),
         num_kv_heads=int(num_key_value_heads), head_dim=int(head_dim), eps=float(rms_norm_eps),
         rope_theta=float(rope_theta), inv_freq=freq, window=None if sliding_window is None else int(sliding_window),
         causal=bool(causal), norm_offset=norm_offset, output_gate=output_gate, rotary_dim=int(rot))
@@ -406,7 +429,8 @@ def run_qwen3_layer(module, x: np.ndarray, layer: Qwen3Layer, k_cache: np.ndarra
         n_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, intermediate=layer.intermediate_size,
         eps=layer.eps, theta=layer.rope_theta, inv_freq=layer.inv_freq, window=layer.window or 0,
         n_threads=n_threads, parts=parts, finite_mask=layer.finite_mask, append=append,
-        causal=layer.causal, norm_offset=layer.norm_offset, output_gate=layer.output_gate, rotary_dim=layer.rotary_dim)
+        causal=layer.causal, norm_offset=layer.norm_offset, output_gate=layer.output_gate, rotary_dim=layer.rotary_dim,
+        quant=layer.quant)
 
 
 def _project(x, layer, start, precision, kw):

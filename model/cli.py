@@ -28,6 +28,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target KV cache storage: bfloat16 halves its bytes, and at --precision medium "
                         "attention reads it without conversion (default: float32)")
+    p.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks"),
+                   help="a GGUF target's quantized tensors: expanded to bfloat16 or float32 (exact), or "
+                        "blocks: Q4_0 / Q4_1 / Q8_0 matmul weights read as stored, exactly as their "
+                        "float32 values, the rest in bfloat16 (default: bfloat16)")
     p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),
                    help="cap the compiled kernels' ISA tier, as DFLASH_ISA (default: the CPU's best)")
 
@@ -62,7 +66,7 @@ def _load(args):
         dk.set_isa(args.isa)
     draft_precision = None if args.draft_precision == "target" else args.draft_precision
     return load(target, drafter, n_threads=args.threads, backend=args.backend, precision=args.precision,
-                draft_precision=draft_precision, kv_dtype=args.kv_dtype)
+                draft_precision=draft_precision, kv_dtype=args.kv_dtype, gguf_dtype=args.gguf_dtype)
 
 
 def cmd_generate(args) -> int:

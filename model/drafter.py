@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_kernels.layers import Qwen3Layer
+from dflash_kernels.quant import QuantizedRows
 
 from ._ops import Ops
 from .config import DFlashConfig
@@ -103,7 +104,7 @@ class DFlashDrafter:
         if ids.ndim != 1 or not ids.size or ids.min() < 0 or ids.max() >= V or np.any(np.diff(ids) <= 0):
             raise ValueError(f"a drafting vocabulary must be sorted, unique token ids in [0, {V})")
         self.draft_ids = ids
-        self.draft_head = self._prep(storage(np.ascontiguousarray(lm_head_table[ids])))
+        self.draft_head = self._prep(storage(_rows(lm_head_table, ids)))
 
     def new_cache(self, max_len: int) -> ContextCache:
         c = self.cfg
@@ -172,3 +173,8 @@ class DFlashDrafter:
         full = np.zeros((n_draft, self.embed.shape[0]), np.float32)
         full[:, self.draft_ids] = q
         return self.draft_ids[drafts], full
+
+
+def _rows(table, ids: np.ndarray):
+    """Rows ids of an LM head as stored: an array's as a C-contiguous copy, GGUF blocks as blocks."""
+    return table.take(ids) if isinstance(table, QuantizedRows) else np.ascontiguousarray(table[ids])

@@ -479,7 +479,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     a bf16 dot product runs it (dflash_kernels.bf16_dot_pays(): AMX, or vdpbf16ps on Zen 4), else
     the target's; None: the target's; or one of the three names.
     gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
-    "float32" (exact; parity with a float32 reference).
+    "float32" (exact; parity with a float32 reference); or "blocks": Q4_0 / Q4_1 / Q8_0 matmul weights
+    (projections, embedding, LM head) stay in their blocks (5 / 8.5 bits a weight, computed exactly
+    as their float32 expansion, dflash_kernels.quant), other quantized tensors in bf16.
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).

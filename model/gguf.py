@@ -8,6 +8,10 @@ translation to what the rest of the model layer reads from a Hugging Face direct
   memory-mapped file; quantized ones (Q8_0, Q4_0, Q4_1, and every other type ``gguf`` can
   dequantize) are expanded at load to float32 (exact: every Q8_0/Q4 value is a float16 scale times
   a small integer, plus a float16 offset for Q4_1) or to bf16 (half the bytes, rounded to nearest even);
+  or, with dtype "blocks", Q4_0 / Q4_1 / Q8_0 matmul weights (the layers' projections, the embedding
+  and LM head) stay in their blocks (``dflash_kernels.quant.QuantizedRows``: the kernels read them as
+  they are, exactly as their float32 expansion, 5 or 8.5 bits a weight) and other quantized tensors
+  expand to bf16;
 - llama.cpp's converter permutes the rows of a Llama q/k projection so that RoPE rotates adjacent
   pairs (GPT-J style); this module undoes it, back to the rotate-half (NeoX) layout the kernels use;
 - a ``tokenizers.Tokenizer`` from the ``tokenizer.ggml.*`` metadata (byte-level BPE, "gpt2"), the
@@ -24,8 +28,16 @@ from pathlib import Path
 import numpy as np
 
 from dflash_kernels import f32_to_bf16
+from dflash_kernels.quant import BLOCK_BYTES, QuantizedRows
 
 from .weights import WeightsError
+
+# what a GGUF's quantized tensors become (read_gguf's dtype, load's gguf_dtype)
+GGUF_DTYPES = ("bfloat16", "float32", "blocks")
+# the matmul weights (the layers' projections, the embedding / LM head), which dtype "blocks" keeps
+# in their blocks (an embedding lookup expands its rows exactly)
+_MATMULS = tuple(f"{n}_proj.weight" for n in ("q", "k", "v", "o", "gate", "up", "down")) + \
+    ("embed_tokens.weight", "lm_head.weight")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -96,12 +108,13 @@ def is_gguf(path) -> bool:
 
 def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: bool = True) -> GGUFCheckpoint:
     """Read a GGUF checkpoint (see the module docstring). dtype: what quantized tensors are expanded
-    to, "float32" or "bfloat16"; F32 / F16 / BF16 tensors keep their own type (memory-mapped, or
-    copied into memory with mmap=False)."""
+    to, "float32" or "bfloat16", or "blocks" (Q4_0 / Q4_1 / Q8_0 matmul weights kept as
+    ``QuantizedRows``, the rest in bf16); F32 / F16 / BF16 tensors keep their own type (memory-mapped,
+    or copied into memory with mmap=False)."""
     import gguf
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype must be one of {GGUF_DTYPES}, got {dtype!r}")
     path = find_gguf(path)
     try:
         reader = gguf.GGUFReader(path, "r")
@@ -116,7 +129,7 @@ def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: 
     config = _config(meta, arch, reader)
     tensors, origin = _tensors(reader, path, arch, config, dtype)
     if not mmap:  # nothing may keep the mapping: a later truncation of the file would SIGBUS
-        tensors = {k: v if v.base is None else np.array(v) for k, v in tensors.items()}
+        tensors = {k: _in_memory(v) for k, v in tensors.items()}
     tokenizer = _tokenizer(meta) if with_tokenizer else None
     eos = [i for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
            if i is not None]
@@ -194,6 +207,13 @@ def _config(meta: _Metadata, arch: str, reader) -> dict:
     return cfg
 
 
+def _in_memory(v):
+    """v with its values copied out of the file mapping (an array whose base is the mapping)."""
+    if isinstance(v, QuantizedRows):
+        return v if v.blocks.base is None else QuantizedRows(np.array(v.blocks), v.qtype)
+    return v if v.base is None else np.array(v)
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order (pairs interleaved per head) back to rotate-half halves."""
     rows = w.shape[0]
@@ -217,16 +237,21 @@ def _tensors(reader, path: Path, arch: str, cfg: dict, dtype: str):
                 arr = np.asarray(t.data).view(np.float16).reshape(shape)
             elif t.tensor_type == Q.BF16:
                 arr = np.asarray(t.data).view(np.uint16).reshape(shape)
+            elif dtype == "blocks" and t.tensor_type.name in BLOCK_BYTES and name.endswith(_MATMULS):
+                arr = QuantizedRows.from_bytes(t.data, shape, t.tensor_type.name)
             else:
                 full = quants.dequantize(t.data, t.tensor_type).reshape(shape)
-                arr = f32_to_bf16(full) if dtype == "bfloat16" else np.ascontiguousarray(full, np.float32)
+                arr = np.ascontiguousarray(full, np.float32) if dtype == "float32" else f32_to_bf16(full)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise WeightsError(f"{where}: cannot be read ({err})") from None
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]
             if shape[0] % (2 * heads):
                 raise WeightsError(f"{where}: {shape[0]} rows do not split into {heads} heads of even size")
-            arr = np.ascontiguousarray(_unpermute(arr, heads))
+            if isinstance(arr, QuantizedRows):  # whole rows of blocks move
+                arr = QuantizedRows(np.ascontiguousarray(_unpermute(arr.blocks, heads)), arr.qtype)
+            else:
+                arr = np.ascontiguousarray(_unpermute(arr, heads))
         if name in tensors:
             raise WeightsError(f"{where}: tensor appears twice")
         tensors[name], origin[name] = arr, where

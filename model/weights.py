@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_kernels.quant import QuantizedRows
+
 _DTYPES = {
     "BF16": np.uint16,  # bf16 bit patterns, what the dk kernels read directly
     "F32": np.float32,
@@ -155,7 +157,9 @@ def check_tensors(tensors: dict, origin: dict, expected: dict[str, tuple], where
             continue
         if tuple(arr.shape) != tuple(shape):
             problems.append(f"{name} in {origin.get(name, '?')}: shape {list(arr.shape)}, expected {list(shape)}")
-        elif arr.dtype not in (np.uint16, np.float32, np.float16):
+        elif isinstance(arr, QuantizedRows) and len(shape) != 2:
+            problems.append(f"{name} in {origin.get(name, '?')}: {arr.qtype} blocks, expected BF16/F32/F16")
+        elif not isinstance(arr, QuantizedRows) and arr.dtype not in (np.uint16, np.float32, np.float16):
             problems.append(f"{name} in {origin.get(name, '?')}: dtype {arr.dtype}, expected BF16/F32/F16")
     if missing or unexpected or problems:
         lines = [f"{where}: checkpoint does not match the config"]
@@ -172,6 +176,11 @@ def check_finite(tensors: dict, origin: dict) -> None:
     bf16 (uint16 bits) is non-finite when its exponent bits are all ones."""
     chunk = 1 << 24  # elements per pass: bounded temporaries on multi-GB tensors
     for name, arr in tensors.items():
+        if isinstance(arr, QuantizedRows):
+            if not arr.finite():
+                raise WeightsError(f"{name} in {origin.get(name, '?')}: a NaN or an infinity in its "
+                                   f"{arr.qtype} scales")
+            continue
         if arr.dtype.kind not in "fu" or (arr.dtype.kind == "u" and arr.dtype != np.uint16):
             continue
         flat = arr.reshape(-1)
@@ -190,8 +199,9 @@ def _names(names: list, limit: int = 12) -> str:
 
 
 def storage(arr: np.ndarray) -> np.ndarray:
-    """Tensor as kernel storage: bf16 (uint16) and f32 unchanged, f16 upcast to f32 (small checkpoints)."""
-    if arr.dtype == np.float16:
+    """Tensor as kernel storage: bf16 (uint16), f32 and GGUF blocks unchanged, f16 upcast to f32
+    (small checkpoints)."""
+    if not isinstance(arr, QuantizedRows) and arr.dtype == np.float16:
         return arr.astype(np.float32)
     return arr
 
@@ -237,6 +247,10 @@ def concat_rows(*weights: np.ndarray, fuse: bool = True):
     part and concatenates the outputs: same result, no copy of the weights).
     """
     ws = [storage(w) for w in weights]
+    if any(isinstance(w, QuantizedRows) for w in ws):  # GGUF blocks: rows stack as they are
+        if len({getattr(w, "qtype", None) for w in ws}) == 1:
+            return QuantizedRows.concat(ws) if fuse else tuple(ws)
+        ws = [w.dequantize() if isinstance(w, QuantizedRows) else as_f32(w) for w in ws]  # mixed: float32
     if not fuse:
         return tuple(ws)
     if len({w.dtype for w in ws}) > 1:

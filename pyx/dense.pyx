@@ -69,6 +69,13 @@ cdef extern from "dk_packed.h" nogil:
     void dk_pkdp_run(long M, long K, long N, long plo, long phi, int parts, const unsigned short *xb,
                      const unsigned short *P, const float *bias, float *out)
 
+cdef extern from "dk_quant.h" nogil:
+    int DK_Q4, DK_Q8
+    long dk_q_group(long M)
+    long dk_q_panel_bytes(long K, int fmt)
+    void dk_q_run(long M, long K, long N, long plo, long phi, int fmt, const float *x, long ldx,
+                  const unsigned char *P, const float *bias, float *out)
+
 cdef extern from "dk_amx.h" nogil:
     int DK_AMX_BUILT, DK_AMX_GROUP, DK_AMX_KB, DK_AMX_MB
     int dk_amx_ready()
@@ -96,6 +103,13 @@ ctypedef fused wtype:
     float
     unsigned short  # bf16 bit patterns
 
+ctypedef unsigned char gguf_byte
+
+ctypedef fused ptype:  # a packed weight (linear_packed, the fused layers)
+    float
+    unsigned short  # bf16 bit patterns
+    gguf_byte       # GGUF blocks (dk_quant.h), the format given apart
+
 # Below this much work (multiply-adds / elements) one thread beats waking the OpenMP pool.
 
 
@@ -113,7 +127,9 @@ cdef enum:
     PATH_FMA_PACKED = 4   # weights packed at load (dk_packed.h): broadcast register tiles on FMA
     PATH_AMX_PACKED = 5   # weights packed at load: AMX tiles (M > DK_MR, bf16)
     PATH_BF16DOT_PACKED = 6  # weights packed at load: vdpbf16ps tiles ("high" / "medium", where it pays)
-_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed", "bf16dot-packed")
+    PATH_FMA_QUANT = 7    # GGUF blocks in panels (dk_quant.h): expanded in registers, FMA tiles
+_PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed", "bf16dot-packed",
+               "fma-quant")
 cdef int _last_path = -1
 
 
@@ -184,8 +200,11 @@ cdef int _choose_packed_path(Py_ssize_t M, bint bf16, int parts) noexcept nogil:
     return PATH_FMA_PACKED
 
 
-def packed_path_name(Py_ssize_t M, bint bf16, int parts=3):
-    """"<tier>:<path>" that linear_packed takes for M rows and `parts` activation parts."""
+def packed_path_name(Py_ssize_t M, int bf16, int parts=3):
+    """"<tier>:<path>" that linear_packed takes for M rows and `parts` activation parts; bf16: the
+    weight format (0 float32, 1 bf16, DK_Q4 / DK_Q8: GGUF blocks, always the quantized FMA tiles)."""
+    if bf16 >= DK_Q4:
+        return f"{TIER}:{_PATH_NAMES[PATH_FMA_QUANT]}"
     if bf16 and parts < 3:
         bf16dot_pays()
     return f"{TIER}:{_PATH_NAMES[_choose_packed_path(M, bf16, parts)]}"
@@ -431,18 +450,22 @@ cdef int _linear_packed_bf16dot(const float *xp, const unsigned short *P, const 
     return 1
 
 
-def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::1] bias, float[:, ::1] out,
-                  *, int n_threads, int parts=3, bint weights_finite=True):
+def linear_packed(const float[:, ::1] x, const ptype[::1] packed, const float[::1] bias, float[:, ::1] out,
+                  *, int n_threads, int parts=3, bint weights_finite=True, int quant=0):
     """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
-    panels of dk_pk_panel_elems(K) values, fp32 or bf16 bit patterns). N is out's width.
+    panels of dk_pk_panel_elems(K) values, fp32 or bf16 bit patterns; or bytes of GGUF blocks,
+    dk_quant.h, of format quant: DK_Q4 or DK_Q8). N is out's width.
 
     weights_finite=False (W holds inf or NaN; PackedWeight.finite) keeps to the FMA tiles: the AMX
     and vdpbf16ps tiles multiply every activation part, and a part that is 0 times an infinite
     weight gives NaN where x * inf is +-inf."""
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int bf16 = 0 if wtype is float else 1
+    cdef int bf16 = 0 if ptype is float else (quant if ptype is gguf_byte else 1)
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    if packed.shape[0] != npanels * dk_pk_panel_elems(K, bf16) or out.shape[0] != M \
+    if ptype is gguf_byte and (quant != DK_Q4 and quant != DK_Q8 or K % 32):
+        raise ValueError(f"linear_packed: quant must be {DK_Q4} (Q4) or {DK_Q8} (Q8) with K a multiple of 32, "
+                         f"got {quant} and K = {K}")
+    if packed.shape[0] != npanels * _panel_size(K, bf16) or out.shape[0] != M \
             or (bias is not None and bias.shape[0] != N):
         raise ValueError(f"linear_packed: packed weight of {packed.shape[0]} values does not fit x {(M, K)}, "
                          f"out {(out.shape[0], N)}")
@@ -452,20 +475,29 @@ def linear_packed(const float[:, ::1] x, const wtype[::1] packed, const float[::
                        NULL if bias is None else &bias[0], &out[0, 0], n_threads, parts, weights_finite)
 
 
+cdef inline Py_ssize_t _panel_size(Py_ssize_t K, int fmt) noexcept nogil:
+    """Elements (bytes for GGUF blocks) of one packed panel of K."""
+    return dk_q_panel_bytes(K, fmt) if fmt >= DK_Q4 else dk_pk_panel_elems(K, fmt)
+
+
 cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const void *wp, int bf16,
                             const float *bp, float *op, int n_threads, int parts, bint weights_finite) except -1:
-    """linear_packed on raw pointers (x C-contiguous, M, N > 0): linear_packed and the fused layers."""
+    """linear_packed on raw pointers (x C-contiguous, M, N > 0): linear_packed and the fused layers.
+    bf16: the weight format, 0 float32, 1 bf16, DK_Q4 / DK_Q8 GGUF blocks (K a multiple of 32)."""
     global _last_path
     cdef Py_ssize_t m, g
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    cdef Py_ssize_t gp = dk_pk_group(M)  # panels per work item
+    cdef Py_ssize_t gp = dk_q_group(M) if bf16 >= DK_Q4 else dk_pk_group(M)  # panels per work item
     cdef Py_ssize_t ngroups = (npanels + gp - 1) // gp
-    _last_path = PATH_FMA_PACKED
+    _last_path = PATH_FMA_QUANT if bf16 >= DK_Q4 else PATH_FMA_PACKED
     if K == 0:  # an empty sum: only the bias is left
         for m in range(M):
             for g in range(N):
                 op[m * N + g] = 0.0 if bp == NULL else bp[g]
         return 0
+    if bf16 >= DK_Q4:
+        return _linear_quant_run(xp, M, K, N, <const unsigned char *> wp, bf16, bp, op,
+                                 dk_matmul_threads(M, N, K, 1, n_threads), parts, gp, ngroups)
     cdef int nt = dk_matmul_threads(M, N, K, 2 if bf16 else 4, n_threads)
     if bf16 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
@@ -497,6 +529,30 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
             dk_pk_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), bf16, xpad, ldx, wp, bp, op)
     free(xpad)
     return 0
+
+cdef int _linear_quant_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const unsigned char *wp,
+                           int fmt, const float *bp, float *op, int nt, int parts, Py_ssize_t gp,
+                           Py_ssize_t ngroups) except -1:
+    """_linear_packed_run over GGUF blocks (K > 0, a multiple of 32): x copied as there (rounded
+    below "highest"), then each thread a contiguous run of panel groups (bit-identical to the float32
+    panels of the blocks' expansion, dk_quant.h)."""
+    cdef Py_ssize_t m, g
+    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
+    cdef Py_ssize_t ldx = (K + 15) // 16 * 16 + 16  # as _linear_packed_run: no 4 KiB-multiple row stride
+    cdef float *xpad = <float *> malloc(max(M * ldx, 1) * sizeof(float))
+    if xpad == NULL:
+        raise MemoryError()
+    with nogil:
+        for m in range(M):
+            if parts < 3:
+                dk_round_rows(K, xp + m * K, parts, &xpad[m * ldx])
+            else:
+                memcpy(&xpad[m * ldx], xp + m * K, K * sizeof(float))
+        for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
+            dk_q_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), fmt, xpad, ldx, wp, bp, op)
+    free(xpad)
+    return 0
+
 
 def silu_and_mul(const float[:, ::1] x, float[:, ::1] out, *, int n_threads):
     """out (M, I) = silu(x[:, :I]) * x[:, I:]."""

@@ -330,7 +330,7 @@ cdef class Fast:
         if packed:
             out = _empty(2, dims, cnp.NPY_FLOAT32)
             self.dense.linear_packed(x, weight.data, bias, out, n_threads=nt, parts=parts,
-                                     weights_finite=weight.finite)
+                                     weights_finite=weight.finite, quant=weight.quant)
             return self._result(out, torch_out)
         if self.delegates is not None and self.delegates(dims[0], dims[1], k,
                                                          cnp.PyArray_TYPE(<cnp.ndarray> weight) == cnp.NPY_UINT16,

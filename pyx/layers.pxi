@@ -75,13 +75,13 @@ cdef inline float *_carve(float **cursor, Py_ssize_t n) noexcept nogil:
     return p
 
 
-def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const wtype[::1] w_qkv,
-                const float[::1] q_norm, const float[::1] k_norm, const wtype[::1] w_o, const float[::1] w_post,
-                const wtype[::1] w_gate_up, const wtype[::1] w_down, const ctype[:, :, ::1] k_cache,
+def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const ptype[::1] w_qkv,
+                const float[::1] q_norm, const float[::1] k_norm, const ptype[::1] w_o, const float[::1] w_post,
+                const ptype[::1] w_gate_up, const ptype[::1] w_down, const ctype[:, :, ::1] k_cache,
                 const ctype[:, :, ::1] v_cache, *, int n_heads, int n_kv_heads, int head_dim, int intermediate,
                 float eps, double theta, const double[::1] inv_freq=None, Py_ssize_t window=0,
                 int n_threads, int parts=3, int finite_mask=15, bint append=True, bint causal=True,
-                float norm_offset=0.0, bint output_gate=False, int rotary_dim=0):
+                float norm_offset=0.0, bint output_gate=False, int rotary_dim=0, int quant=0):
     """x (T, H) <- the layer's output for the residual stream x at positions start..start+T-1.
 
     Weights packed (linear_packed's layout): w_qkv [Wq; Wk; Wv] (q_dim + 2 kv_dim, H), w_o (H, q_dim),
@@ -92,6 +92,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     the caches are the injected context, the rows' own K/V are attended to but not stored, and
     `causal` says whether a row sees the rows after it. window > 0: only the last `window` positions.
     finite_mask: bit i set when weight i (qkv, o, gate_up, down) is finite (PackedWeight.finite).
+    quant: the format of byte weights (GGUF blocks, dk_quant.h: DK_Q4 or DK_Q8), the same for all four.
     A Qwen3.5 gated full-attention layer: norm_offset 1 (every norm x (1 + w)), output_gate (Wq's
     rows per head [query | gate], attention output times sigmoid(gate) before o_proj) and rotary_dim
     < head_dim (RoPE on the first dims only; 0 = head_dim). The caller validates shapes (layers.py)."""
@@ -101,7 +102,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef Py_ssize_t nqkv = Hq * qw + 2 * kvd, half = (rotary_dim if rotary_dim > 0 else D) // 2
     cdef Py_ssize_t end = start + T, t, r, hd, j, gi
     cdef int rc
-    cdef int bf16 = 0 if wtype is float else 1
+    cdef int bf16 = 0 if ptype is float else (quant if ptype is gguf_byte else 1)  # the weights' format
     cdef int kv_bf16 = 0 if ctype is float else 1
     cdef bint qk = q_norm is not None
     if T == 0:

@@ -1,0 +1,205 @@
+"""GGUF block-quantized linear weights (Q4_0, Q4_1, Q8_0), kept in their blocks and run as they are.
+
+``QuantizedRows`` holds a weight as the GGUF file stores it: rows of blocks of 32 weights, each a
+float16 scale ``d`` (and, for Q4_1, a float16 offset ``m``) and 32 small integers ``q``; a weight is
+``d * q + m`` (Q4_1), ``d * (q - 8)`` (Q4_0) or ``d * q`` (Q8_0). ``pack_quantized`` re-lays the blocks
+into panels of 16 output columns (pyx/dk_quant.h), which ``linear`` runs on the Cython tiers: 5 bits a
+weight (Q4) or 8.5 (Q8) stream from memory instead of 16 for bf16.
+
+Exactness: ``d * q`` is exact in float32, so each weight the kernels form is the float32 value that
+``dequantize`` (and gguf-py's and ggml's expansion) gives, and the sums run in the order of the
+float32 packed tiles: ``linear`` over ``pack_quantized(rows)`` is bit-identical to ``linear`` over
+``pack_weight(rows.dequantize())``, at every M, thread count and precision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._tensors import hugepage_empty
+from .dense import PackedWeight
+
+BLOCK = 32  # weights per GGUF block (K is a multiple of it)
+PANEL = 16  # output columns per panel (pyx/dk_quant.h)
+# bytes of one GGUF block, and the kernels' format code (pyx/dk_quant.h: DK_Q4, DK_Q8)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+FORMAT = {"Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
+FORMAT_NAMES = {2: "q4", 3: "q8"}
+RECORD_BYTES = {2: 64 + 256, 3: 32 + 512}  # one block of one panel (16 columns)
+
+
+class QuantizedRows:
+    """A linear weight (N, K) as GGUF blocks: ``blocks`` (N, K / 32, bytes per block) uint8, ``qtype``
+    "Q4_0", "Q4_1" or "Q8_0". Rows can be stacked (``concat``) and reordered (``take``) without
+    touching the values; ``dequantize`` gives the exact float32 weights."""
+
+    __slots__ = ("blocks", "qtype")
+    ndim = 2
+
+    def __init__(self, blocks: np.ndarray, qtype: str):
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+        blocks = np.asarray(blocks)
+        if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != BLOCK_BYTES[qtype]:
+            raise ValueError(f"{qtype} blocks must be uint8 of shape (N, K / {BLOCK}, {BLOCK_BYTES[qtype]}), "
+                             f"got {blocks.dtype} {blocks.shape}")
+        self.blocks, self.qtype = blocks, qtype
+
+    @classmethod
+    def from_bytes(cls, data, shape: tuple[int, int], qtype: str) -> QuantizedRows:
+        """The rows of a GGUF tensor's raw bytes (row-major blocks, as gguf-py's ``ReaderTensor.data``)."""
+        n, k = (int(s) for s in shape)
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+        if k % BLOCK:
+            raise ValueError(f"a {qtype} row holds whole blocks of {BLOCK}, got K = {k}")
+        raw = np.asarray(data).view(np.uint8).reshape(-1)
+        want = n * (k // BLOCK) * BLOCK_BYTES[qtype]
+        if raw.size != want:
+            raise ValueError(f"{qtype} data of shape ({n}, {k}) has {want} bytes, got {raw.size}")
+        return cls(raw.reshape(n, k // BLOCK, BLOCK_BYTES[qtype]), qtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.blocks.shape[1] * BLOCK)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.blocks.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def __repr__(self) -> str:
+        return f"QuantizedRows(shape={self.shape}, qtype={self.qtype})"
+
+    def take(self, rows, axis: int = 0) -> QuantizedRows:
+        """These rows, in this order, still as blocks (a copy); as ``ndarray.take(rows, axis=0)``."""
+        if axis != 0:
+            raise ValueError("QuantizedRows.take selects rows (axis=0) only")
+        return QuantizedRows(np.ascontiguousarray(self.blocks[np.asarray(rows).reshape(-1)]), self.qtype)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        """Rows (an int, a slice or an index array) as their float32 values, as indexing an array
+        would give them: an embedding lookup."""
+        sub = self.blocks[rows]
+        flat = QuantizedRows(np.ascontiguousarray(sub.reshape(-1, *sub.shape[-2:])), self.qtype)
+        return flat.dequantize().reshape(*sub.shape[:-2], self.shape[1])
+
+    @staticmethod
+    def concat(parts) -> QuantizedRows:
+        """Rows stacked in order; every part must have the same qtype and K."""
+        qtypes, ks = {p.qtype for p in parts}, {p.shape[1] for p in parts}
+        if len(qtypes) != 1 or len(ks) != 1:
+            raise ValueError(f"only rows of one qtype and K stack, got {sorted(qtypes)} and K {sorted(ks)}")
+        return QuantizedRows(np.concatenate([p.blocks for p in parts]), qtypes.pop())
+
+    def finite(self) -> bool:
+        """Whether every scale (and offset) is finite: float16 exponent bits all ones are inf or NaN."""
+        halves = 2 if self.qtype == "Q4_1" else 1
+        h = np.ascontiguousarray(self.blocks[..., : 2 * halves]).view(np.uint16)
+        return not ((h & 0x7C00) == 0x7C00).any()
+
+    def dequantize(self) -> np.ndarray:
+        """The weights (N, K) in float32, exactly (d * q rounds nothing; Q4_1 adds m once)."""
+        n, nb = self.blocks.shape[:2]
+        b = self.blocks
+        d = np.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)  # (N, nb, 1)
+        if self.qtype == "Q8_0":
+            q = b[..., 2:].view(np.int8).astype(np.float32)
+            return (d * q).reshape(n, nb * BLOCK)
+        lo_hi = b[..., 4:] if self.qtype == "Q4_1" else b[..., 2:]
+        q = np.concatenate([lo_hi & 15, lo_hi >> 4], axis=-1).astype(np.float32)  # q[j], q[j + 16]
+        if self.qtype == "Q4_0":
+            return (d * (q - 8.0)).reshape(n, nb * BLOCK)
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)
+        return (d * q + m).reshape(n, nb * BLOCK)
+
+
+def _scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(d, m, q) of (N, nb) blocks: d and m float16 (N, nb) (m None for Q8_0), q (N, nb, 32) in k order
+    (uint8 for Q4, with Q4_0's m = -8 d; int8 for Q8_0)."""
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    if qtype == "Q8_0":
+        return d, None, blocks[..., 2:].view(np.int8)
+    nib = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1)  # GGUF's byte j: q[j] low, q[j + 16] high
+    if qtype == "Q4_1":
+        return d, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0], q
+    m = d.astype(np.float32) * -8.0  # exact, unless it leaves float16's range
+    if (np.abs(m[np.isfinite(m)]) > np.finfo(np.float16).max).any():
+        raise ValueError("a Q4_0 scale too large to express as Q4_1 (|8 d| > 65504)")
+    return d, m.astype(np.float16), q
+
+
+def pack_quantized(rows: QuantizedRows) -> PackedWeight:
+    """Lay GGUF blocks out in the kernels' panels (pyx/dk_quant.h), for ``linear`` and the fused layers.
+
+    Makes one copy. The Cython tiers run the result as it is (``linear`` on any other backend expands
+    it to its float32 values); results are bit-identical to ``pack_weight(rows.dequantize())``.
+
+    Parameters
+    ----------
+    rows : QuantizedRows
+        A weight (N, K) as Q4_0, Q4_1 or Q8_0 blocks (``QuantizedRows.from_bytes`` of a GGUF tensor).
+
+    Returns
+    -------
+    PackedWeight
+        Shape (N, K), dtype uint8, ``quant`` 2 (Q4_0 / Q4_1, 5 bits a weight) or 3 (Q8_0, 8.5 bits).
+
+    Raises
+    ------
+    ValueError
+        If a Q4_0 scale is too large to carry as Q4_1 (|8 d| > 65504).
+
+    Examples
+    --------
+    >>> from gguf import GGMLQuantizationType, quants
+    >>> w = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+    >>> rows = dk.QuantizedRows.from_bytes(quants.quantize(w, GGMLQuantizationType.Q4_1), (64, 32), "Q4_1")
+    >>> packed = dk.pack_quantized(rows)
+    >>> packed
+    PackedWeight(shape=(64, 32), dtype=q4)
+    >>> x = np.ones((2, 32), np.float32)
+    >>> np.array_equal(dk.linear(x, packed), dk.linear(x, dk.pack_weight(rows.dequantize())))
+    True
+    """
+    n, k = rows.shape
+    fmt, nb = FORMAT[rows.qtype], k // BLOCK
+    n16 = -(-n // PANEL)
+    d, m, q = _scales(rows.blocks, rows.qtype)
+    pad = n16 * PANEL - n
+    if pad:  # zero rows: d = m = 0, so their weights are 0
+        d, q = np.pad(d, ((0, pad), (0, 0))), np.pad(q, ((0, pad), (0, 0), (0, 0)))
+        m = None if m is None else np.pad(m, ((0, pad), (0, 0)))
+    rec = hugepage_empty((n16, nb, RECORD_BYTES[fmt]), np.uint8)
+    # per panel and block: the 16 columns' d (and m) as float16, then the integers k-major
+    rec[..., :32] = d.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
+    if fmt == 2:
+        rec[..., 32:64] = m.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
+        pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # (N16 * 16, nb, 16): byte p = q[2p] | q[2p + 1] << 4
+        rec[..., 64:] = pairs.reshape(n16, PANEL, nb, 16).transpose(0, 2, 3, 1).reshape(n16, nb, 256)
+    else:
+        rec[..., 32:] = q.view(np.uint8).reshape(n16, PANEL, nb, BLOCK).transpose(0, 2, 3, 1).reshape(n16, nb, 512)
+    data = rec.reshape(-1)
+    data.flags.writeable = False
+    return PackedWeight((n, k), np.dtype(np.uint8), data, rows.finite(), quant=fmt)
+
+
+def unpack_quantized(data: np.ndarray, shape: tuple[int, int], fmt: int) -> np.ndarray:
+    """The float32 weights (N, K) of ``pack_quantized``'s panels (exact)."""
+    n, k = shape
+    n16, nb = -(-n // PANEL), k // BLOCK
+    rec = np.asarray(data).reshape(n16, nb, RECORD_BYTES[fmt])
+    d = rec[..., :32].copy().view(np.float16).astype(np.float32)  # (N16, nb, 16 columns)
+    if fmt == 2:
+        m = rec[..., 32:64].copy().view(np.float16).astype(np.float32)
+        pairs = rec[..., 64:].reshape(n16, nb, 16, PANEL)
+        q = np.stack([pairs & 15, pairs >> 4], axis=3).reshape(n16, nb, BLOCK, PANEL).astype(np.float32)
+        w = d[:, :, None, :] * q + m[:, :, None, :]
+    else:
+        q = rec[..., 32:].view(np.int8).reshape(n16, nb, BLOCK, PANEL).astype(np.float32)
+        w = d[:, :, None, :] * q
+    return np.ascontiguousarray(w.transpose(0, 3, 1, 2).reshape(n16 * PANEL, k)[:n])

@@ -1,0 +1,147 @@
+"""GGUF blocks kept as they are (dflash_kernels.quant, pyx/dk_quant.h): the blocks' values against an
+independent dequantizer, the panel layout's round trip, linear and the fused layer bit-identical to
+their float32 expansion on every tier, M, thread count and precision, a GGUF model loaded with
+gguf_dtype="blocks" (lossless DFlash, parity with transformers), and clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import dflash_kernels as dk
+import dflash_kernels.model as dm
+from checkpoints import write_dflash
+from dflash_kernels.quant import QuantizedRows, pack_quantized
+from support import MACHINE_TIERS, greedy_runs
+
+gguf = pytest.importorskip("gguf")
+from test_gguf import Q, ref_dequantize, tiny, write_gguf  # noqa: E402  (gguf needed first)
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def rows_of(rng, n, k, qtype, scale=0.1):
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    raw = gguf.quants.quantize(w, getattr(Q, qtype))
+    return QuantizedRows.from_bytes(raw, (n, k), qtype), raw
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_blocks_hold_the_values_of_an_independent_dequantizer(qtype):
+    rows, raw = rows_of(np.random.default_rng(0), 37, 96, qtype)
+    expected = ref_dequantize(raw, getattr(Q, qtype))
+    assert rows.shape == (37, 96) and rows.qtype == qtype
+    np.testing.assert_array_equal(rows.dequantize(), expected)
+    packed = pack_quantized(rows)
+    assert packed.shape == (37, 96) and packed.quant == (3 if qtype == "Q8_0" else 2)
+    assert not packed.data.flags.writeable and packed.finite
+    assert packed.data.size == 3 * 3 * (544 if qtype == "Q8_0" else 320)  # 3 panels x 3 blocks of K
+    np.testing.assert_array_equal(packed.unpack(), expected)  # packing moves values only
+    np.testing.assert_array_equal(np.asarray(packed), expected)
+    assert repr(packed) == f"PackedWeight(shape=(37, 96), dtype={'q8' if qtype == 'Q8_0' else 'q4'})"
+
+
+@settings(max_examples=25, deadline=None)
+@given(qtype=st.sampled_from(QTYPES), n=st.integers(1, 70), kb=st.integers(1, 20), m=st.integers(1, 20),
+       tier=st.sampled_from(MACHINE_TIERS), precision=st.sampled_from(["highest", "high", "medium"]),
+       threads=st.sampled_from([1, 2, 3]), with_bias=st.booleans(), seed=st.integers(0, 2**31))
+def test_linear_over_blocks_is_bit_identical_to_their_float32_expansion(qtype, n, kb, m, tier, precision, threads,
+                                                                        with_bias, seed):
+    rng = np.random.default_rng(seed)
+    rows, _ = rows_of(rng, n, 32 * kb, qtype)
+    x = rng.standard_normal((m, 32 * kb)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    w = rows.dequantize()
+    dk.set_isa(tier)
+    try:
+        got = dk.linear(x, pack_quantized(rows), bias, precision=precision, n_threads=threads)
+        expected = dk.linear(x, dk.pack_weight(w), bias, precision=precision, n_threads=threads)
+        one = dk.linear(x[-1:], pack_quantized(rows), bias, precision=precision, n_threads=1)
+    finally:
+        dk.set_isa(None)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(one[0], got[-1])  # a row's result does not depend on the others
+    if precision == "highest":  # and against float64
+        ref = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if bias is None else bias)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.sqrt(32 * kb))
+
+
+@pytest.mark.parametrize("tier", MACHINE_TIERS)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_fused_layer_over_blocks_equals_it_over_the_float32_expansion(tier, qtype):
+    rng = np.random.default_rng(1)
+    H, heads, kv, D, inter = 64, 4, 2, 16, 96
+    shapes = {"self_attn.q_proj.weight": (heads * D, H), "self_attn.k_proj.weight": (kv * D, H),
+              "self_attn.v_proj.weight": (kv * D, H), "self_attn.o_proj.weight": (H, heads * D),
+              "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter)}
+    rows = {name: rows_of(rng, *shape, qtype)[0] for name, shape in shapes.items()}
+    norms = {"input_layernorm.weight": rng.standard_normal(H).astype(np.float32),
+             "post_attention_layernorm.weight": rng.standard_normal(H).astype(np.float32)}
+    kw = dict(num_attention_heads=heads, num_key_value_heads=kv, head_dim=D, rms_norm_eps=1e-6, rope_theta=1e4)
+    blocks = dk.prepare_qwen3_layer({**rows, **norms}, **kw)
+    expanded = dk.prepare_qwen3_layer({**{n: r.dequantize() for n, r in rows.items()}, **norms}, **kw)
+    assert blocks.fused and blocks.quant == (3 if qtype == "Q8_0" else 2) and expanded.quant == 0
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    outs = []
+    dk.set_isa(tier)
+    try:
+        for layer in (blocks, expanded):
+            k_cache, v_cache = np.zeros((2, 16, kv, D), np.float32)
+            outs.append(dk.qwen3_layer(x, layer, k_cache, v_cache, start=0))
+    finally:
+        dk.set_isa(None)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_rows_stack_and_reorder_without_touching_values():
+    rng = np.random.default_rng(2)
+    a, b = rows_of(rng, 5, 64, "Q4_1")[0], rows_of(rng, 3, 64, "Q4_1")[0]
+    both = QuantizedRows.concat([a, b])
+    np.testing.assert_array_equal(both.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    np.testing.assert_array_equal(both.take([7, 0]).dequantize(), both.dequantize()[[7, 0]])
+    with pytest.raises(ValueError, match="one qtype"):
+        QuantizedRows.concat([a, rows_of(rng, 3, 64, "Q8_0")[0]])
+
+
+def test_bad_blocks_give_clear_errors():
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        QuantizedRows.from_bytes(np.zeros(20, np.uint8), (1, 32), "Q5_K")
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        QuantizedRows.from_bytes(np.zeros(20, np.uint8), (1, 40), "Q4_1")
+    with pytest.raises(ValueError, match="has 40 bytes, got 20"):
+        QuantizedRows.from_bytes(np.zeros(20, np.uint8), (2, 32), "Q4_1")
+    packed = pack_quantized(rows_of(np.random.default_rng(3), 4, 32, "Q8_0")[0])
+    with pytest.raises(TypeError, match="Cython kernels only"):
+        packed.to_tensor()
+    with pytest.raises(ValueError, match="disagree on K"):
+        dk.linear(np.ones((1, 64), np.float32), packed)
+    # a scale that is not finite: the weight says so (and check_weights names the tensor, below)
+    rows = rows_of(np.random.default_rng(4), 2, 32, "Q8_0")[0]
+    rows.blocks[1, 0, :2] = np.array([np.inf], np.float16).view(np.uint8)
+    assert not rows.finite() and not pack_quantized(rows).finite
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
+    cfg, tensors = tiny()
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=qtype)
+    hf_dir = tmp_path / "cfg"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
+    blocks = dm.load(path, drafter, gguf_dtype="blocks", max_len=128)
+    layer = blocks.target.layers[0]
+    assert layer.fused and layer.quant == (3 if qtype == Q.Q8_0 else 2) and blocks.target.fused_layers
+    for ar, sd in greedy_runs(blocks):  # lossless over blocks too
+        assert sd.token_ids == ar.token_ids
+    # the same model as its float32 expansion (embedding and LM head in blocks too), bit for bit
+    exact = dm.load(path, drafter, gguf_dtype="float32", max_len=128)
+    assert exact.target.layers[0].quant == 0
+    prompt = [5, 17, 2, 99, 31, 64, 7]
+    a, _ = blocks.target.prefill(prompt, blocks.target.new_cache(64))
+    b, _ = exact.target.prefill(prompt, exact.target.new_cache(64))
+    np.testing.assert_array_equal(a, b)
+    assert [r.token_ids for _, r in greedy_runs(blocks)] == [r.token_ids for _, r in greedy_runs(exact)]
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dm.load(path, gguf_dtype="q4")
