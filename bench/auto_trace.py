@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--fixed", default="", help="comma-separated fixed k to run after each auto run")
     ap.add_argument("--adaptive", help="another version's model/adaptive.py to trace instead of this one")
+    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks"),
+                    help="SmolLM2's GGUF weights: expanded, or read as stored (model.load's gguf_dtype)")
     args = ap.parse_args(argv)
 
     from dflash_kernels.model import adaptive
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
     from dflash_kernels.model import engine
 
     original, engine.AutoK = engine.AutoK, Traced
-    eng = load_default(args.model, n_threads=args.threads)
+    eng = load_default(args.model, n_threads=args.threads,
+                       **({"gguf_dtype": args.gguf_dtype} if args.model == "smollm2" else {}))
     eng.round_cost = adaptive.RoundCost(eng.default_num_speculative_tokens)
     prompts = load_prompts(None, args.n_prompts, eng)
     fixed = [int(k) for k in args.fixed.split(",") if k]
