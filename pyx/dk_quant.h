@@ -54,7 +54,8 @@ enum { DK_Q4 = 2, DK_Q8 = 3 };  /* linear_packed's weight formats after float32 
 
 static inline long dk_q_block_bytes(int fmt) { return fmt == DK_Q4 ? 64 + 256 : 32 + 512; }
 static inline long dk_q_panel_bytes(long K, int fmt) { return K / DK_Q_BLOCK * dk_q_block_bytes(fmt); }
-static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : DK_Q_NV; }
+/* Panels per work item: the GEMV tile's, the direct tile's, or (M > DK_Q_MR) the float32 tile's */
+static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : (M > DK_Q_MR ? DK_PK_NV : DK_Q_NV); }
 
 /* DK_VW float16 at h as float32 (exact) */
 DK_AI dk_vf dk_q_f16(const uint8_t *h) {
@@ -190,11 +191,60 @@ static void dk_q_tile_any(int mr, int nv, int fmt, long b0, long nb, const float
 #undef DK_Q_T
 }
 
+/* Blocks [b0, b0 + nb) of panels [0, nv) of P as float32 in dk_packed.h's panel layout:
+   buf[v * DK_PK_KC * 16 + k * 16 + j], the values the tiles above form (fma(d, q, m)) */
+static void dk_q_expand(int nv, int fmt, long b0, long nb, const uint8_t *P, long pstride, float *buf) {
+    const long bb = dk_q_block_bytes(fmt);
+    for (int v = 0; v < nv * DK_Q_VPP; v++) {
+        float *dst = buf + (v / DK_Q_VPP) * DK_PK_KC * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW;
+        for (long b = b0; b < b0 + nb; b++) {
+            const uint8_t *blk = P + (v / DK_Q_VPP) * pstride + b * bb;
+            const dk_vf d = dk_q_f16(blk + (v % DK_Q_VPP) * 2 * DK_VW);
+            float *row = dst + (b - b0) * DK_Q_BLOCK * DK_PK_COLS;
+            if (fmt == DK_Q4) {
+                const dk_vf m = dk_q_f16(blk + 32 + (v % DK_Q_VPP) * 2 * DK_VW);
+                for (int p = 0; p < DK_Q_BLOCK / 2; p++) {
+                    dk_vi u = dk_q_u8(blk + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
+                    dk_store(row + 2 * p * DK_PK_COLS, d * __builtin_convertvector(u & 15, dk_vf) + m);
+                    dk_store(row + (2 * p + 1) * DK_PK_COLS, d * __builtin_convertvector(u >> 4, dk_vf) + m);
+                }
+            } else {
+                for (int k = 0; k < DK_Q_BLOCK; k++)
+                    dk_store(row + k * DK_PK_COLS,
+                             d * __builtin_convertvector(dk_q_s8(blk + 32 + k * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW),
+                                                         dk_vf));
+            }
+        }
+    }
+}
+
 /* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
-   [plo, phi) of P, dk_q_group(M) at a time; per K chunk every row tile passes the group's chunk. */
+   [plo, phi) of P, dk_q_group(M) at a time; per K chunk every row tile passes the group's chunk.
+   M > DK_Q_MR: each chunk is expanded once into a float32 buffer that dk_packed.h's float32 tiles
+   run for every row tile (same values, same FMA order: bit-identical). Expanding per row tile cost
+   the expansion's ~7 vector ops per pair row again for every DK_Q_MR rows: a 512-row prefill chunk
+   spent as much on them as on its FMAs. */
 static void dk_q_run(long M, long K, long N, long plo, long phi, int fmt, const float *x, long ldx,
                      const uint8_t *P, const float *bias, float *out) {
     const long pstride = dk_q_panel_bytes(K, fmt), nblk = K / DK_Q_BLOCK, gp = dk_q_group(M);
+    if (M > DK_Q_MR) {
+        float buf[DK_PK_NV * DK_PK_KC * DK_PK_COLS] __attribute__((aligned(64)));  /* 48 KiB avx512, 16 avx2 */
+        for (long p0 = plo; p0 < phi; p0 += gp) {
+            int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
+            long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
+            for (long b0 = 0; b0 < nblk; b0 += DK_Q_KB) {
+                long nb = nblk - b0 < DK_Q_KB ? nblk - b0 : DK_Q_KB, k0 = b0 * DK_Q_BLOCK;
+                const float *cbias = b0 + nb == nblk && bias ? bias + c0 : NULL;
+                dk_q_expand(nv, fmt, b0, nb, P + p0 * pstride, pstride, buf);
+                for (long i0 = 0; i0 < M; i0 += DK_PK_MR32) {
+                    int mr = M - i0 < DK_PK_MR32 ? (int)(M - i0) : DK_PK_MR32;
+                    dk_pk_tile_any(mr, nv, 0, 0, nb * DK_Q_BLOCK, x + i0 * ldx + k0, ldx, buf, DK_PK_KC * DK_PK_COLS,
+                                   b0 == 0, cbias, out + i0 * N + c0, N, ncols, 0, 0, NULL);
+                }
+            }
+        }
+        return;
+    }
     for (long p0 = plo; p0 < phi; p0 += gp) {
         int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
         long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;

@@ -30,6 +30,15 @@ def test_greedy_tokens_equal_transformers(engine):
         assert res.token_ids == case["greedy"]
 
 
+def test_its_q4_1_blocks_run_as_stored_give_the_same_tokens():
+    # gguf_dtype="blocks": the Q4_1 layers and the Q8_0 embedding / LM head read as stored, bit-identical
+    # to their float32 expansion (dflash_kernels.quant), so transformers' tokens again
+    blocks = dm.load(GGUF, gguf_dtype="blocks", max_len=512)
+    assert blocks.target.layers[0].quant == 2 and blocks.target.lm_head.quant == 3
+    for case in RECORD["cases"][:3]:
+        assert blocks.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True).token_ids == case["greedy"]
+
+
 @pytest.mark.skipif(not (SMOLLM2_DRAFTER / "config.json").is_file(), reason="no shipped SmolLM2 drafter")
 def test_shipped_drafter_is_lossless_and_accepts():
     # The shipped drafter's greedy tau on these three prompts (64 tokens, fp32, k = 15) measured 1.47,
