@@ -18,8 +18,9 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    import dflash_kernels as dk
     from gguf import GGMLQuantizationType, quants
+
+    import dflash_kernels as dk
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
