@@ -14,9 +14,9 @@ same prompts with the same rule, in the same process order.
 
 --bf16 OUT requantizes the GGUF to BF16 with llama.cpp's own ``llama_model_quantize`` first (the
 comparison the issue asks for is bf16 against bf16). Without it llama.cpp runs the file's own Q4_1 /
-Q8_0 blocks, the comparison for ``--ours --gguf-dtype blocks`` (this project reading the same blocks). Tokens/s counts generated tokens over the wall time
-of each call, prefill included, as the published llama.cpp figure does; the median over prompts and the
-aggregate are printed as JSON.
+Q8_0 blocks, the comparison for ``--ours --gguf-dtype blocks`` (this project reading the same blocks).
+Tokens/s counts generated tokens over the wall time of each call, prefill included, as the published
+llama.cpp figure does; the median over prompts and the aggregate are printed as JSON.
 """
 
 from __future__ import annotations

@@ -46,16 +46,20 @@ enum { DK_Q4 = 2, DK_Q8 = 3 };  /* linear_packed's weight formats after float32 
 #else
 #define DK_Q_MR 4  /* 4 rows x 1 panel (2 ymm): 8 accumulators, 2 + 2 + 2 of 16 ymm */
 #define DK_Q_NV 1
-#define DK_Q_GV 2
+#define DK_Q_GV 2  /* M = 1: 1 x 2 panels (its spills cost less than the 1 x 1 tile's latency) */
 #endif
 #define DK_Q_NVMAX (DK_Q_GV > DK_Q_NV ? DK_Q_GV : DK_Q_NV)
+/* From this many rows each K chunk is expanded once for the float32 tiles (dk_q_run); below, the
+   direct tiles expand it per row tile. On avx2 the expansion through a buffer cost more than two
+   direct 4-row tiles up to 8 rows (5 rows: 1.20x bf16's time through the buffer). */
+#define DK_Q_EXPAND_ROWS 9
 #define DK_Q_KB (DK_PK_KC / DK_Q_BLOCK)  /* blocks per chunk: the float32 tiles' K chunk */
 
 
 static inline long dk_q_block_bytes(int fmt) { return fmt == DK_Q4 ? 64 + 256 : 32 + 512; }
 static inline long dk_q_panel_bytes(long K, int fmt) { return K / DK_Q_BLOCK * dk_q_block_bytes(fmt); }
 /* Panels per work item: the GEMV tile's, the direct tile's, or (M > DK_Q_MR) the float32 tile's */
-static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : (M > DK_Q_MR ? DK_PK_NV : DK_Q_NV); }
+static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : (M >= DK_Q_EXPAND_ROWS ? DK_PK_NV : DK_Q_NV); }
 
 /* DK_VW float16 at h as float32 (exact) */
 DK_AI dk_vf dk_q_f16(const uint8_t *h) {
@@ -162,14 +166,12 @@ static void dk_q_tile_any(int mr, int nv, int fmt, long b0, long nb, const float
 #define DK_Q_T(MR_, NV_) \
     if (fmt == DK_Q4) dk_q_tile(MR_, NV_, DK_Q4, b0, nb, x, ldx, P, pstride, first, bias, out, ldo, ncols); \
     else dk_q_tile(MR_, NV_, DK_Q8, b0, nb, x, ldx, P, pstride, first, bias, out, ldo, ncols);
+#if DK_Q_GV > DK_Q_NV
     if (mr == 1 && nv > DK_Q_NV) {  /* a GEMV over up to DK_Q_GV panels */
-#if DK_Q_GV == 4
         if (nv == 4) { DK_Q_T(1, 4) } else if (nv == 3) { DK_Q_T(1, 3) } else { DK_Q_T(1, 2) }
-#else
-        DK_Q_T(1, 2)
-#endif
         return;
     }
+#endif
 #if DK_Q_NV == 2
 #define DK_Q_NVS(MR_) if (nv == 2) { DK_Q_T(MR_, 2) } else { DK_Q_T(MR_, 1) }
 #else
@@ -220,14 +222,14 @@ static void dk_q_expand(int nv, int fmt, long b0, long nb, const uint8_t *P, lon
 
 /* out[:, 16 plo : 16 phi] (clipped to N) = x (M, K; row stride ldx) W^T + bias, for the panels
    [plo, phi) of P, dk_q_group(M) at a time; per K chunk every row tile passes the group's chunk.
-   M > DK_Q_MR: each chunk is expanded once into a float32 buffer that dk_packed.h's float32 tiles
+   M >= DK_Q_EXPAND_ROWS: each chunk is expanded once into a float32 buffer that dk_packed.h's float32 tiles
    run for every row tile (same values, same FMA order: bit-identical). Expanding per row tile cost
    the expansion's ~7 vector ops per pair row again for every DK_Q_MR rows: a 512-row prefill chunk
    spent as much on them as on its FMAs. */
 static void dk_q_run(long M, long K, long N, long plo, long phi, int fmt, const float *x, long ldx,
                      const uint8_t *P, const float *bias, float *out) {
     const long pstride = dk_q_panel_bytes(K, fmt), nblk = K / DK_Q_BLOCK, gp = dk_q_group(M);
-    if (M > DK_Q_MR) {
+    if (M >= DK_Q_EXPAND_ROWS) {
         float buf[DK_PK_NV * DK_PK_KC * DK_PK_COLS] __attribute__((aligned(64)));  /* 48 KiB avx512, 16 avx2 */
         for (long p0 = plo; p0 < phi; p0 += gp) {
             int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
