@@ -109,6 +109,17 @@ DK_AI void dk_q_tile(const int mr, const int nv, const int fmt, long b0, long nb
         }
         if (fmt == DK_Q4) {
             for (int p = 0; p < DK_Q_BLOCK / 2; p++) {
+                if (mr == 1) {  /* the GEMV tile: each weight vector used once, at once (2 live, not
+                                   2 nvec: on avx2 the 1 x 2 panel tile spilled; the same order per
+                                   accumulator, even k then odd) */
+                    const dk_vf xe = (dk_vf){0} + xb[2 * p], xo = (dk_vf){0} + xb[2 * p + 1];
+                    for (int v = 0; v < nvec; v++) {
+                        dk_vi u = dk_q_u8(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
+                        acc[0][v] += xe * (d[v] * __builtin_convertvector(u & 15, dk_vf) + m[v]);
+                        acc[0][v] += xo * (d[v] * __builtin_convertvector(u >> 4, dk_vf) + m[v]);
+                    }
+                    continue;
+                }
                 dk_vf we[DK_Q_NVMAX * DK_Q_VPP], wo[DK_Q_NVMAX * DK_Q_VPP];
                 for (int v = 0; v < nvec; v++) {
                     dk_vi u = dk_q_u8(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
