@@ -489,19 +489,17 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
     cdef Py_ssize_t gp = dk_q_group(M) if bf16 >= DK_Q4 else dk_pk_group(M)  # panels per work item
     cdef Py_ssize_t ngroups = (npanels + gp - 1) // gp
-    _last_path = PATH_FMA_QUANT if bf16 >= DK_Q4 else PATH_FMA_PACKED
+    cdef bint quant = bf16 >= DK_Q4  # GGUF blocks: always the quantized FMA tiles (dk_quant.h)
+    _last_path = PATH_FMA_QUANT if quant else PATH_FMA_PACKED
     if K == 0:  # an empty sum: only the bias is left
         for m in range(M):
             for g in range(N):
                 op[m * N + g] = 0.0 if bp == NULL else bp[g]
         return 0
-    if bf16 >= DK_Q4:
-        return _linear_quant_run(xp, M, K, N, <const unsigned char *> wp, bf16, bp, op,
-                                 dk_matmul_threads(M, N, K, 1, n_threads), parts, gp, ngroups)
-    cdef int nt = dk_matmul_threads(M, N, K, 2 if bf16 else 4, n_threads)
-    if bf16 and parts < 3 and _dp_pays < 0:
+    cdef int nt = dk_matmul_threads(M, N, K, 1 if quant else (2 if bf16 else 4), n_threads)
+    if bf16 == 1 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
-    cdef int path = _choose_packed_path(M, bf16, parts) if weights_finite else PATH_FMA_PACKED
+    cdef int path = _choose_packed_path(M, bf16 == 1, parts) if weights_finite and not quant else _last_path
     _last_path = path
     if path == PATH_AMX_PACKED:
         if _linear_packed_amx(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
@@ -509,7 +507,8 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     elif path == PATH_BF16DOT_PACKED:
         if _linear_packed_bf16dot(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
             return 0
-    _last_path = PATH_FMA_PACKED  # (also for inf / NaN in x: IEEE results from the FMA tiles)
+    # (the FMA tiles also for inf / NaN in x: IEEE results)
+    _last_path = PATH_FMA_QUANT if quant else PATH_FMA_PACKED
     # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
     # tiles broadcast from DK_PK_MR rows at once, which a 4 KiB-multiple stride would put into one
     # L1 set.
@@ -526,33 +525,13 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
         # static: a contiguous run of panels per thread (one stream per panel for the prefetchers);
         # each output is computed by one thread in a fixed order whatever the split
         for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
-            dk_pk_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), bf16, xpad, ldx, wp, bp, op)
-    free(xpad)
-    return 0
-
-cdef int _linear_quant_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const unsigned char *wp,
-                           int fmt, const float *bp, float *op, int nt, int parts, Py_ssize_t gp,
-                           Py_ssize_t ngroups) except -1:
-    """_linear_packed_run over GGUF blocks (K > 0, a multiple of 32): x copied as there (rounded
-    below "highest"), then each thread a contiguous run of panel groups (bit-identical to the float32
-    panels of the blocks' expansion, dk_quant.h)."""
-    cdef Py_ssize_t m, g
-    cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    cdef Py_ssize_t ldx = (K + 15) // 16 * 16 + 16  # as _linear_packed_run: no 4 KiB-multiple row stride
-    cdef float *xpad = <float *> malloc(max(M * ldx, 1) * sizeof(float))
-    if xpad == NULL:
-        raise MemoryError()
-    with nogil:
-        for m in range(M):
-            if parts < 3:
-                dk_round_rows(K, xp + m * K, parts, &xpad[m * ldx])
+            if quant:  # bit-identical to the float32 panels of the blocks' expansion
+                dk_q_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), bf16, xpad, ldx, <const unsigned char *> wp,
+                         bp, op)
             else:
-                memcpy(&xpad[m * ldx], xp + m * K, K * sizeof(float))
-        for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
-            dk_q_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), fmt, xpad, ldx, wp, bp, op)
+                dk_pk_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), bf16, xpad, ldx, wp, bp, op)
     free(xpad)
     return 0
-
 
 def silu_and_mul(const float[:, ::1] x, float[:, ::1] out, *, int n_threads):
     """out (M, I) = silu(x[:, :I]) * x[:, I:]."""

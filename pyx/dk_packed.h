@@ -96,6 +96,31 @@ static inline long dk_pk_panel_elems(long K, int bf16) {
     return bf16 ? dk_pk_kpad(K) * DK_PK_COLS : K * DK_PK_COLS;
 }
 
+/* A tile row's nvec accumulators into o: stored (first) or added to it, then the bias; where
+   ncols < nvec * DK_VW (the last panel group, N % 16 != 0) element by element through a buffer
+   (indexing acc at run time would move every accumulator out of registers). Also dk_quant.h's. */
+#define DK_PK_ROW_MAX 64  /* floats of a tile row: 4 panels (dk_quant.h's GEMV tile) */
+DK_AI void dk_pk_store_row(const dk_vf *acc, const int nvec, float *o, long ncols, int first,
+                           const float *bias) {
+    if (ncols == nvec * DK_VW) {
+        for (int v = 0; v < nvec; v++) {
+            dk_vf s = acc[v];
+            if (!first) s += dk_load(o + v * DK_VW);
+            if (bias) s += dk_load(bias + v * DK_VW);
+            dk_store(o + v * DK_VW, s);
+        }
+        return;
+    }
+    float t[DK_PK_ROW_MAX];
+    for (int v = 0; v < nvec; v++) dk_store(t + v * DK_VW, acc[v]);
+    for (long j = 0; j < ncols; j++) {
+        float s = t[j];
+        if (!first) s += o[j];
+        if (bias) s += bias[j];
+        o[j] = s;
+    }
+}
+
 /* One tile: rows [0, mr) of x (row stride ldx) times panels [0, nv) of P from k0 for kc k (k0, kc
    even, except a last odd kc), into out (row stride ldo; the first ncols <= nv * 16 columns). first:
    the chunk's sums are stored, else added to out; bias (last chunk only) is added after. pf, pfnext:
@@ -182,27 +207,7 @@ DK_AI void dk_pk_tile(const int mr, const int nv, const int bf16, long k0, long 
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        float *o = out + i * ldo;
-        if (ncols == nvec * DK_VW) {
-            for (int v = 0; v < nvec; v++) {
-                dk_vf s = acc[i][v];
-                if (!first) s += dk_load(o + v * DK_VW);
-                if (bias) s += dk_load(bias + v * DK_VW);
-                dk_store(o + v * DK_VW, s);
-            }
-        } else {  /* the last panel group, N % 16 != 0: element by element, through a buffer
-                     (indexing acc at run time would move every accumulator out of registers) */
-            float t[DK_PK_NVMAX * DK_PK_COLS];
-            for (int v = 0; v < nvec; v++) dk_store(t + v * DK_VW, acc[i][v]);
-            for (long j = 0; j < ncols; j++) {
-                float s = t[j];
-                if (!first) s += o[j];
-                if (bias) s += bias[j];
-                o[j] = s;
-            }
-        }
-    }
+    for (int i = 0; i < mr; i++) dk_pk_store_row(acc[i], nvec, out + i * ldo, ncols, first, bias);
 }
 
 /* Where the last row tile of a K chunk prefetches from, relative to the chunk (in elements of the

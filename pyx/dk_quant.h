@@ -149,26 +149,7 @@ DK_AI void dk_q_tile(const int mr, const int nv, const int fmt, long b0, long nb
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        float *o = out + i * ldo;
-        if (ncols == nvec * DK_VW) {
-            for (int v = 0; v < nvec; v++) {
-                dk_vf s = acc[i][v];
-                if (!first) s += dk_load(o + v * DK_VW);
-                if (bias) s += dk_load(bias + v * DK_VW);
-                dk_store(o + v * DK_VW, s);
-            }
-        } else {  /* the last panel group, N % 16 != 0 (as dk_pk_tile) */
-            float t[DK_Q_NVMAX * DK_PK_COLS];
-            for (int v = 0; v < nvec; v++) dk_store(t + v * DK_VW, acc[i][v]);
-            for (long j = 0; j < ncols; j++) {
-                float s = t[j];
-                if (!first) s += o[j];
-                if (bias) s += bias[j];
-                o[j] = s;
-            }
-        }
-    }
+    for (int i = 0; i < mr; i++) dk_pk_store_row(acc[i], nvec, out + i * ldo, ncols, first, bias);
 }
 
 /* mr, nv and the format as compile-time constants (accumulators in registers) */
