@@ -42,6 +42,8 @@ def tier_lines() -> list[str]:
         paths = {p: dense.packed_path_name(rows, True, PRECISIONS[p]) for p in PRECISIONS}
         lines.append(f"linear bf16 weights packed (dk.prepare_weight, as the model layer holds them), M={rows}: "
                      + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
+    lines.append("linear GGUF blocks (dk.pack_quantized; load(..., gguf_dtype=\"blocks\")), every M and precision: "
+                 f"{dense.packed_path_name(1, 2)} (bit-identical to their float32 expansion)")
     from ._autotune import cache_file, delegated_entries
 
     entries = sorted(delegated_entries(default_threads()))

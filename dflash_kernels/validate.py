@@ -76,6 +76,16 @@ def _checks(seed: int) -> list[Check]:
                                         lambda b, a=(x, w), p=prec: dk.linear(*a, precision=p, backend=b)))
                     checks.append(Check(f"linear packed {dt} {prec} {m}x{k}->{n}",
                                         lambda b, a=(x, packed), p=prec: dk.linear(*a, precision=p, backend=b)))
+        if dt == "float32":  # GGUF blocks read as stored (dk.pack_quantized); the reference expands them
+            from gguf import GGMLQuantizationType, quants
+
+            for qtype in ("Q4_1", "Q8_0"):
+                for m, n, k in ((1, 4096, 1024), (16, 1000, 1024), (9, 33, 128)):
+                    x, w = f(m, k), f(n, k, s=0.05)
+                    rows = dk.QuantizedRows.from_bytes(quants.quantize(w, getattr(GGMLQuantizationType, qtype)),
+                                                       (n, k), qtype)
+                    checks.append(Check(f"linear {qtype} blocks {m}x{k}->{n}",
+                                        lambda b, a=(x, dk.pack_quantized(rows)): dk.linear(*a, backend=b)))
         x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
         checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
         gu = _store(f(16, 2 * 3072), dt)
