@@ -84,8 +84,9 @@ def _checks(seed: int) -> list[Check]:
                     x, w = f(m, k), f(n, k, s=0.05)
                     rows = dk.QuantizedRows.from_bytes(quants.quantize(w, getattr(GGMLQuantizationType, qtype)),
                                                        (n, k), qtype)
+                    packed = dk.pack_quantized(rows)
                     checks.append(Check(f"linear {qtype} blocks {m}x{k}->{n}",
-                                        lambda b, a=(x, dk.pack_quantized(rows)): dk.linear(*a, backend=b)))
+                                        lambda b, a=(x, packed): dk.linear(*a, backend=b)))
         x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
         checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
         gu = _store(f(16, 2 * 3072), dt)
