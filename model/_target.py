@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_kernels.quant import QuantizedRows
+
 from ._ops import Ops
 from .weights import as_f32, check_tensors, storage
 
@@ -26,7 +28,8 @@ class TargetBase:
         self.prefill_chunk = prefill_chunk
         t = {k: storage(v) for k, v in tensors.items()}
         self.embed = t[prefix + "embed_tokens.weight"]  # (V, H) bf16 or f32, memory-mapped
-        prep = self.ops.prepare if fuse else (lambda w: w)
+        # GGUF blocks run only packed (dk.pack_quantized): prepared even when nothing else is
+        prep = self.ops.prepare if fuse else (lambda w: self.ops.prepare(w) if isinstance(w, QuantizedRows) else w)
         # the head as stored (memory-mapped where the file allows): rows of it for a drafting vocabulary
         self.lm_head_table = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.lm_head = prep(self.lm_head_table)  # (V, H)

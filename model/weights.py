@@ -247,9 +247,9 @@ def concat_rows(*weights: np.ndarray, fuse: bool = True):
     part and concatenates the outputs: same result, no copy of the weights).
     """
     ws = [storage(w) for w in weights]
-    if any(isinstance(w, QuantizedRows) for w in ws):  # GGUF blocks: rows stack as they are
-        if len({getattr(w, "qtype", None) for w in ws}) == 1:
-            return QuantizedRows.concat(ws) if fuse else tuple(ws)
+    if any(isinstance(w, QuantizedRows) for w in ws):  # GGUF blocks: rows stack as they are (fused or
+        if len({getattr(w, "qtype", None) for w in ws}) == 1:  # not: they run only packed, a copy anyway)
+            return QuantizedRows.concat(ws)
         ws = [w.dequantize() if isinstance(w, QuantizedRows) else as_f32(w) for w in ws]  # mixed: float32
     if not fuse:
         return tuple(ws)

@@ -143,5 +143,8 @@ def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
     b, _ = exact.target.prefill(prompt, exact.target.new_cache(64))
     np.testing.assert_array_equal(a, b)
     assert [r.token_ids for _, r in greedy_runs(blocks)] == [r.token_ids for _, r in greedy_runs(exact)]
+    unfused = dm.load(path, gguf_dtype="blocks", fuse_weights=False, max_len=64)  # blocks run packed anyway
+    c, _ = unfused.target.prefill(prompt, unfused.target.new_cache(64))
+    np.testing.assert_array_equal(c, a)
     with pytest.raises(ValueError, match="dtype must be one of"):
         dm.load(path, gguf_dtype="q4")
