@@ -151,6 +151,8 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
 
     Raises
     ------
+    TypeError
+        If rows is not a QuantizedRows.
     ValueError
         If a Q4_0 scale is too large to carry as Q4_1 (|8 d| > 65504).
 
@@ -166,6 +168,9 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
     >>> np.array_equal(dk.linear(x, packed), dk.linear(x, dk.pack_weight(rows.dequantize())))
     True
     """
+    if not isinstance(rows, QuantizedRows):
+        raise TypeError(f"rows must be a QuantizedRows (GGUF blocks: QuantizedRows.from_bytes), got "
+                        f"{type(rows).__name__}; pack float32 / bf16 weights with pack_weight")
     n, k = rows.shape
     fmt, nb = FORMAT[rows.qtype], k // BLOCK
     n16 = -(-n // PANEL)

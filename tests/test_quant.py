@@ -111,6 +111,8 @@ def test_bad_blocks_give_clear_errors():
         QuantizedRows.from_bytes(np.zeros(20, np.uint8), (1, 40), "Q4_1")
     with pytest.raises(ValueError, match="has 40 bytes, got 20"):
         QuantizedRows.from_bytes(np.zeros(20, np.uint8), (2, 32), "Q4_1")
+    with pytest.raises(TypeError, match="rows must be a QuantizedRows"):
+        pack_quantized(np.zeros((4, 32), np.float32))
     packed = pack_quantized(rows_of(np.random.default_rng(3), 4, 32, "Q8_0")[0])
     with pytest.raises(TypeError, match="Cython kernels only"):
         packed.to_tensor()
