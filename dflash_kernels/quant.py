@@ -103,34 +103,24 @@ class QuantizedRows:
 
     def dequantize(self) -> np.ndarray:
         """The weights (N, K) in float32, exactly (d * q rounds nothing; Q4_1 adds m once)."""
-        n, nb = self.blocks.shape[:2]
-        b = self.blocks
-        d = np.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)  # (N, nb, 1)
-        if self.qtype == "Q8_0":
-            q = b[..., 2:].view(np.int8).astype(np.float32)
-            return (d * q).reshape(n, nb * BLOCK)
-        lo_hi = b[..., 4:] if self.qtype == "Q4_1" else b[..., 2:]
-        q = np.concatenate([lo_hi & 15, lo_hi >> 4], axis=-1).astype(np.float32)  # q[j], q[j + 16]
-        if self.qtype == "Q4_0":
-            return (d * (q - 8.0)).reshape(n, nb * BLOCK)
-        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)
-        return (d * q + m).reshape(n, nb * BLOCK)
+        d, m, q = _scales(self.blocks, self.qtype)
+        w = d.astype(np.float32)[..., None] * q.astype(np.float32)
+        if m is not None:
+            w += m[..., None]
+        return w.reshape(self.shape)
 
 
 def _scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """(d, m, q) of (N, nb) blocks: d and m float16 (N, nb) (m None for Q8_0), q (N, nb, 32) in k order
-    (uint8 for Q4, with Q4_0's m = -8 d; int8 for Q8_0)."""
+    """(d, m, q) of (N, nb) blocks: d float16 (N, nb), m float32 (N, nb) (None for Q8_0; Q4_0's is
+    -8 d, exact), q (N, nb, 32) in k order (uint8 for Q4, int8 for Q8_0). A weight is d q + m."""
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
     if qtype == "Q8_0":
         return d, None, blocks[..., 2:].view(np.int8)
     nib = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
     q = np.concatenate([nib & 15, nib >> 4], axis=-1)  # GGUF's byte j: q[j] low, q[j + 16] high
     if qtype == "Q4_1":
-        return d, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0], q
-    m = d.astype(np.float32) * -8.0  # exact, unless it leaves float16's range
-    if (np.abs(m[np.isfinite(m)]) > np.finfo(np.float16).max).any():
-        raise ValueError("a Q4_0 scale too large to express as Q4_1 (|8 d| > 65504)")
-    return d, m.astype(np.float16), q
+        return d, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32), q
+    return d, d.astype(np.float32) * -8.0, q
 
 
 def pack_quantized(rows: QuantizedRows) -> PackedWeight:
@@ -175,6 +165,10 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
     fmt, nb = FORMAT[rows.qtype], k // BLOCK
     n16 = -(-n // PANEL)
     d, m, q = _scales(rows.blocks, rows.qtype)
+    if m is not None:  # the panels carry m as float16: Q4_1's is one, Q4_0's -8 d is unless it overflows
+        if (np.abs(m[np.isfinite(m)]) > np.finfo(np.float16).max).any():
+            raise ValueError("a Q4_0 scale too large to express as Q4_1 (|8 d| > 65504)")
+        m = m.astype(np.float16)
     pad = n16 * PANEL - n
     if pad:  # zero rows: d = m = 0, so their weights are 0
         d, q = np.pad(d, ((0, pad), (0, 0))), np.pad(q, ((0, pad), (0, 0), (0, 0)))

@@ -499,7 +499,9 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     cdef int nt = dk_matmul_threads(M, N, K, 1 if quant else (2 if bf16 else 4), n_threads)
     if bf16 == 1 and parts < 3 and _dp_pays < 0:
         bf16dot_pays()
-    cdef int path = _choose_packed_path(M, bf16 == 1, parts) if weights_finite and not quant else _last_path
+    cdef int path = _last_path  # GGUF blocks, or weights not finite: the FMA tiles
+    if weights_finite and not quant:
+        path = _choose_packed_path(M, bf16 == 1, parts)
     _last_path = path
     if path == PATH_AMX_PACKED:
         if _linear_packed_amx(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):

@@ -87,6 +87,16 @@ DK_AI dk_vi dk_q_s8(const uint8_t *p) {
 #endif
 }
 
+/* The weights the blocks hold, exactly as their float32 expansion (fma(d, q, m): d q is exact, one
+   rounding), the one place every tile and dk_q_expand form them. Q4: the k-pair of DK_VW columns at p
+   (even k in the low nibbles); Q8: one k of DK_VW columns at p. */
+DK_AI void dk_q4_pair(const uint8_t *p, dk_vf d, dk_vf m, dk_vf *we, dk_vf *wo) {
+    dk_vi u = dk_q_u8(p);
+    *we = d * __builtin_convertvector(u & 15, dk_vf) + m;
+    *wo = d * __builtin_convertvector(u >> 4, dk_vf) + m;
+}
+DK_AI dk_vf dk_q8_w(const uint8_t *p, dk_vf d) { return d * __builtin_convertvector(dk_q_s8(p), dk_vf); }
+
 /* One tile: rows [0, mr) of x (row stride ldx) times panels [0, nv) of P, blocks [b0, b0 + nb) (one
    chunk), into out (row stride ldo, the first ncols <= nv * 16 columns). first: the chunk's sums are
    stored, else added to out; bias (last chunk only) is added after. As dk_pk_tile's float32 tile. */
@@ -114,18 +124,16 @@ DK_AI void dk_q_tile(const int mr, const int nv, const int fmt, long b0, long nb
                                    accumulator, even k then odd) */
                     const dk_vf xe = (dk_vf){0} + xb[2 * p], xo = (dk_vf){0} + xb[2 * p + 1];
                     for (int v = 0; v < nvec; v++) {
-                        dk_vi u = dk_q_u8(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
-                        acc[0][v] += xe * (d[v] * __builtin_convertvector(u & 15, dk_vf) + m[v]);
-                        acc[0][v] += xo * (d[v] * __builtin_convertvector(u >> 4, dk_vf) + m[v]);
+                        dk_vf we, wo;
+                        dk_q4_pair(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW, d[v], m[v], &we, &wo);
+                        acc[0][v] += xe * we;
+                        acc[0][v] += xo * wo;
                     }
                     continue;
                 }
                 dk_vf we[DK_Q_NVMAX * DK_Q_VPP], wo[DK_Q_NVMAX * DK_Q_VPP];
-                for (int v = 0; v < nvec; v++) {
-                    dk_vi u = dk_q_u8(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
-                    we[v] = d[v] * __builtin_convertvector(u & 15, dk_vf) + m[v];  /* one FMA: exact d q, one rounding */
-                    wo[v] = d[v] * __builtin_convertvector(u >> 4, dk_vf) + m[v];
-                }
+                for (int v = 0; v < nvec; v++)
+                    dk_q4_pair(blk[v] + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW, d[v], m[v], &we[v], &wo[v]);
                 for (int i = 0; i < mr; i++) {
                     dk_vf xe = (dk_vf){0} + xb[i * ldx + 2 * p];
                     for (int v = 0; v < nvec; v++) acc[i][v] += xe * we[v];
@@ -139,8 +147,7 @@ DK_AI void dk_q_tile(const int mr, const int nv, const int fmt, long b0, long nb
             for (int k = 0; k < DK_Q_BLOCK; k++) {
                 dk_vf w[DK_Q_NVMAX * DK_Q_VPP];
                 for (int v = 0; v < nvec; v++) {
-                    w[v] = d[v] * __builtin_convertvector(dk_q_s8(blk[v] + 32 + k * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW),
-                                                          dk_vf);
+                    w[v] = dk_q8_w(blk[v] + 32 + k * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW, d[v]);
                 }
                 for (int i = 0; i < mr; i++) {
                     dk_vf xk = (dk_vf){0} + xb[i * ldx + k];
@@ -198,15 +205,14 @@ static void dk_q_expand(int nv, int fmt, long b0, long nb, const uint8_t *P, lon
             if (fmt == DK_Q4) {
                 const dk_vf m = dk_q_f16(blk + 32 + (v % DK_Q_VPP) * 2 * DK_VW);
                 for (int p = 0; p < DK_Q_BLOCK / 2; p++) {
-                    dk_vi u = dk_q_u8(blk + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW);
-                    dk_store(row + 2 * p * DK_PK_COLS, d * __builtin_convertvector(u & 15, dk_vf) + m);
-                    dk_store(row + (2 * p + 1) * DK_PK_COLS, d * __builtin_convertvector(u >> 4, dk_vf) + m);
+                    dk_vf we, wo;
+                    dk_q4_pair(blk + 64 + p * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW, d, m, &we, &wo);
+                    dk_store(row + 2 * p * DK_PK_COLS, we);
+                    dk_store(row + (2 * p + 1) * DK_PK_COLS, wo);
                 }
             } else {
                 for (int k = 0; k < DK_Q_BLOCK; k++)
-                    dk_store(row + k * DK_PK_COLS,
-                             d * __builtin_convertvector(dk_q_s8(blk + 32 + k * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW),
-                                                         dk_vf));
+                    dk_store(row + k * DK_PK_COLS, dk_q8_w(blk + 32 + k * DK_PK_COLS + (v % DK_Q_VPP) * DK_VW, d));
             }
         }
     }
