@@ -23,7 +23,8 @@ import sys
 
 def load_adaptive(path: str):
     """Another version's model/adaptive.py as a module. Its AutoK takes this engine's arguments: a
-    version from before AutoK(..., sampled=) (session 20) ignores that one."""
+    version from before AutoK(..., sampled=) (session 20) ignores that one; one from before the
+    whole-block probes (session 28) never asks for them and ignores the tokens observe() gets."""
     spec = importlib.util.spec_from_file_location("dflash_kernels.model.adaptive_other", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -31,6 +32,14 @@ def load_adaptive(path: str):
         class AutoK(module.AutoK):
             def __init__(self, k_max, cost, prior=None, *, sampled=False):
                 super().__init__(k_max, cost, prior)
+
+        module.AutoK = AutoK
+    if "committed" not in inspect.signature(module.AutoK.observe).parameters:
+        class AutoK(module.AutoK):
+            whole_block = False
+
+            def observe(self, k, accepted, seconds, committed=(), unverified=None):
+                super().observe(k, accepted, seconds)
 
         module.AutoK = AutoK
     return module
@@ -50,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true",
                     help='also run "auto" that never drafts (this version\'s choice replaced by 0): what '
                          "keeping drafting possible costs an autoregressive step (taps, bookkeeping)")
+    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks"),
+                    help="SmolLM2's GGUF weights: expanded, or read as stored (model.load's gguf_dtype)")
     args = ap.parse_args(argv)
 
     from dflash_kernels.model import adaptive, engine
@@ -57,7 +68,8 @@ def main(argv=None) -> int:
     from dflash_kernels.model.defaults import load_default
 
     other = load_adaptive(args.other)
-    eng = load_default(args.model, n_threads=args.threads)
+    eng = load_default(args.model, n_threads=args.threads,
+                       **({"gguf_dtype": args.gguf_dtype} if args.model == "smollm2" else {}))
     prompts = load_prompts(None, args.n_prompts, eng)
     eng.generate(prompts[0], 8, num_speculative_tokens="auto")  # warm-up
     fixed = {f"k={k}": int(k) for k in args.fixed.split(",") if k}

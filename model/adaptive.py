@@ -16,7 +16,9 @@ Both are estimated online from the rounds the engine runs anyway:
   noisy points to k = 15 at 1.4x the real cost).
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
-stretches and long rounds out of long stretches of short ones (``AutoK``). A later request
+stretches and out of long stretches of short rounds, which see the acceptance at every position
+(``AutoK``): greedy, a round of a short k whose whole block is drafted, its drafts past k checked
+against the tokens the target commits next; sampled, a round of the longest k. A later request
 starts at the k the Engine's last one ended with, not with the longest k again; a greedy one probes
 on its own schedule, a sampled one on the schedule the last sampled request reached.
 """
@@ -84,6 +86,13 @@ class AcceptanceEstimate:
         self.trials *= self.decay
         self.trials[:k] += 1.0
         self.hits[:accepted] += 1.0
+
+    def extend(self, start: int, k: int, accepted: int) -> None:
+        """Positions start+1..k of a round already observed, seen later (hindsight, ``AutoK``): they
+        count as drafted, and start+1..accepted as accepted, in that round's decayed weight."""
+        self._expected = None
+        self.trials[start:k] += 1.0
+        self.hits[start:accepted] += 1.0
 
     def expected_tokens(self, survival=None) -> np.ndarray:
         """E(k) for k = 0..k_max: tokens a round commits (the bonus / target token included)."""
@@ -207,10 +216,17 @@ class AutoK:
 
     Likewise a short k says nothing about the positions past it, whose estimate then only decays
     toward the prior: after LONG_PROBE_EVERY drafting rounds shorter than k_max in a row, one round
-    drafts k_max, the interval doubling (up to LONG_PROBE_MAX) after each that changes nothing. On
+    sees them all, the interval doubling (up to LONG_PROBE_MAX) after each that changes nothing. On
     the stdlib pair (Xeon with AMX, where k = 15 pays on most prompts) the two changes took auto
     from 1.08x to 1.33x autoregressive (k = 15: 1.49x); on SmolLM2 1.54x to 1.59x (k = 2: 1.54x),
     with `bench/auto_ab.py` (docs/benchmarks.md, session 18).
+
+    Both kinds of probe drafted k_max until session 28. A greedy probe now runs the best drafting k
+    (the chosen k for a long probe) with the whole block drafted (``_probe``): the drafter's pass
+    over 16 rows costs little more than over 3, while verifying 16 rows over SmolLM2's GGUF blocks
+    costs 4.5 autoregressive steps on a Zen 4. (Drafting the whole block in every round, for the
+    drafts' own sake, moved tau by -1% to +8% but ran at 0.76-0.99x the tokens/s for fixed k = 1-8 on
+    both shipped pairs: the drafter's extra rows outweigh it; docs/benchmarks.md, session 28.)
     """
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None, *, sampled: bool = False):
@@ -222,10 +238,15 @@ class AutoK:
         self.probing = False
         self.short_run = 0  # drafting rounds since the last that drafted k_max
         self.long_interval, self.long_probing = LONG_PROBE_EVERY, False
-        self._inputs, self._choice = (None, None), 0  # _best()'s cache
+        self._inputs, self._choice, self._rate = (None, None), 0, []  # _best()'s cache
+        # greedy: this round is a probe that drafts the whole block and verifies only k (the engine
+        # reads it after choose()); its drafts past k wait in _pending for the tokens committed next
+        self.whole_block = False
+        self._pending: list[tuple[list[int], int, int]] = []  # (drafts past k, how many resolved, k)
 
     def choose(self) -> int:
         self.rounds += 1
+        self.whole_block = False
         if not self.cost.draft_timed or (self.rounds == 1 and self.cost.last_k is None):
             # the Engine's first request starts with the longest k: it shows the acceptance at
             # every position and times C(k_max)
@@ -237,7 +258,9 @@ class AutoK:
             k = min(self.cost.last_k, self.k_max)
         else:
             k = best
-            if self.probing:  # the round after a probe: did it change the decision?
+            # once a probe has shown what it will (a greedy one's drafts past k are checked token by
+            # token as the target commits them): did it change the decision?
+            if self.probing and (k > 0 or not self._pending):
                 self.probing = False
                 self.interval = PROBE_EVERY if k > 0 else min(2 * self.interval, PROBE_MAX)
                 if self.sampled:
@@ -247,7 +270,7 @@ class AutoK:
             self.ar_run += 1
             if self.ar_run >= self.interval:
                 self.ar_run, self.probing = 0, True
-                k = self.k_max
+                k = self._probe(self._best(drafting=True))
         else:
             self.ar_run = 0
         if self.long_probing:  # the round after a long probe: did it change the decision?
@@ -257,22 +280,65 @@ class AutoK:
         if 0 < k < self.k_max:  # positions past k go unseen: now and then a round that sees them all
             self.short_run += 1
             if self.short_run >= self.long_interval:
-                self.short_run, self.long_probing, k = 0, True, self.k_max
+                self.short_run, self.long_probing, k = 0, True, self._probe(k)
         elif k == self.k_max:
             self.short_run = 0
         return k
 
-    def _best(self) -> int:
-        """The argmax over k of E(k) / C(k), the first of equal rates as np.argmax. Recomputed only
-        when an estimate changed: both inputs are lists cached by their owners until then, and most
-        steps (autoregressive ones) change neither."""
+    def _best(self, drafting: bool = False) -> int:
+        """The argmax over k (k >= 1 if `drafting`) of E(k) / C(k), the first of equal rates as
+        np.argmax. Recomputed only when an estimate changed: both inputs are lists cached by their
+        owners until then, and most steps (autoregressive ones) change neither."""
         expected, costs = self.acceptance.expected_list(), self.cost.costs(self.k_max)
         if expected is not self._inputs[0] or costs is not self._inputs[1]:
-            rate = [e / c for e, c in zip(expected, costs, strict=True)]
-            self._inputs, self._choice = (expected, costs), max(range(len(rate)), key=rate.__getitem__)
+            self._rate = [e / c for e, c in zip(expected, costs, strict=True)]
+            self._inputs, self._choice = (expected, costs), max(range(len(self._rate)), key=self._rate.__getitem__)
+        if drafting and self._choice == 0:
+            return max(range(1, len(self._rate)), key=self._rate.__getitem__)
         return self._choice
 
-    def observe(self, k: int, accepted: int, seconds: float) -> None:
+    def _probe(self, k: int) -> int:
+        """The k of a round that shows the acceptance at every position. Sampled: k_max. Greedy: k,
+        with the whole block drafted (``whole_block``), whose drafts past k are checked against the
+        tokens the target commits next (``observe``): a greedy target commits the same tokens
+        whatever was drafted, so a draft past k would have been accepted exactly when it and the
+        drafts before it equal them. A probe then costs a round of k and the drafter's longer block,
+        not a round of k_max (4.5 autoregressive steps over SmolLM2's GGUF blocks on a Zen 4)."""
+        if self.sampled:
+            return self.k_max
+        self.whole_block = k < self.k_max
+        return k
+
+    def observe(self, k: int, accepted: int, seconds: float, committed=(), unverified=None) -> None:
+        """A round drafted k, accepted `accepted` and took `seconds`. committed: the tokens it
+        committed (greedy; earlier probes' drafts are checked against them); unverified: a
+        ``whole_block`` round's drafts past k."""
+        self._resolve(committed)  # earlier probes first: this round's tokens follow theirs
         self.acceptance.observe(k, accepted)
-        if self.rounds > 1:  # the first round after a prefill runs on cold caches: not a cost of k
+        if unverified is not None and len(unverified):
+            if accepted < k:  # a longer verification stops at the same rejected draft
+                self.acceptance.extend(k, k + len(unverified), accepted)
+            else:  # the target's own token after the k accepted drafts checks the first of the rest
+                self._pending.append((list(unverified), 0, k))
+                self._resolve(committed[-1:])
+        elif self.rounds > 1:  # (a cold first round after a prefill, or a probe's longer block: not C(k))
             self.cost.observe(k, seconds)
+
+    def _resolve(self, tokens) -> None:
+        """Hindsight for the pending probes' drafts: each matching token in turn is an accepted
+        position; the first that does not match fails it and every position after it."""
+        if not self._pending or not len(tokens):
+            return
+        still = []
+        for drafts, i, k in self._pending:
+            n, m = len(drafts), 0
+            while m < len(tokens) and i + m < n and tokens[m] == drafts[i + m]:
+                m += 1
+            if m:
+                self.acceptance.extend(k + i, k + i + m, k + i + m)
+            i += m
+            if i < n and m < len(tokens):  # drafts[i] is not what the target committed
+                self.acceptance.extend(k + i, k + n, k + i)
+            elif i < n:
+                still.append((drafts, i, k))
+        self._pending = still

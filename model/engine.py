@@ -402,6 +402,7 @@ class _Run:
             callback_before = self.callback_s
             if kk <= 0:  # autoregressive step (no drafter, auto's choice, or the last token of the budget)
                 t1 = t0
+                unverified = None
                 # with auto, drafting may resume: the drafter will need this position's context,
                 # added in one batch when it does (one GEMM instead of a GEMV per step)
                 hidden, taps = target.forward([anchor], cache, taps=auto)
@@ -411,9 +412,13 @@ class _Run:
                 t2 = perf_counter()
                 a = 0
             else:
-                q = None
+                q, unverified = None, None
                 if self.temperature == 0.0:
-                    drafts = drafter.draft(anchor, kk, ctx)  # (k,) argmax drafts
+                    if auto and chooser.whole_block:  # a probe: the whole block drafted, k verified
+                        drafts = drafter.draft(anchor, max(kk, min(k, room - 1)), ctx)
+                        drafts, unverified = drafts[:kk], drafts[kk:]
+                    else:
+                        drafts = drafter.draft(anchor, kk, ctx)  # (k,) argmax drafts
                 else:  # drafts sampled from the drafter's q; rejection sampling gets q too
                     drafts, q = drafter.draft_sampled(anchor, kk, ctx, self.temperature, self.top_k, self.top_p,
                                                       self.rng)
@@ -441,7 +446,8 @@ class _Run:
             t3 = perf_counter()
             seconds = t3 - t0 - (self.callback_s - callback_before)
             if auto:
-                chooser.observe(max(kk, 0), a, seconds)
+                chooser.observe(max(kk, 0), a, seconds, new if self.temperature == 0.0 else (),
+                                unverified if unverified is None else unverified.tolist())
             elif self.temperature == 0.0 and len(m.accepted) > 1:
                 # a greedy round of a fixed k times that k for "auto" too (the round cost is the
                 # Engine's); the first after the prefill runs on cold caches

@@ -141,19 +141,43 @@ def test_autok_explores_then_picks_the_best_rate():
     assert chooser.choose() == k_max
 
 
-def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes(sampled):
     k_max = 15
-    chooser = AutoK(k_max, _cost(1.0, 3.0))  # a round costs 3 AR steps
+    chooser = AutoK(k_max, _cost(1.0, 3.0), sampled=sampled)  # a round costs 3 AR steps
     chooser.choose()  # the request's first round: k_max
     for _ in range(60):  # nothing is ever accepted: E(k) = 1 < 3
         chooser.observe(k_max, 0, 3.0)
     picks = [chooser.choose() for _ in range(PROBE_EVERY)]
     assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
-    # after PROBE_EVERY autoregressive steps, one drafting round anyway, of k_max: it sees every position
-    assert picks[-1] == k_max
-    chooser.observe(picks[-1], 0, 3.0)  # the probe's drafts are rejected too
+    # after PROBE_EVERY autoregressive steps, one drafting round anyway that sees every position:
+    # sampled, k_max; greedy, the best drafting k (the cheapest here) over the whole block
+    probe = k_max if sampled else 1
+    assert picks[-1] == probe and chooser.whole_block == (not sampled)
+    chooser.observe(probe, 0, 3.0, [7], None if sampled else [8] * (k_max - 1))  # rejected too
     picks = [chooser.choose() for _ in range(2 * PROBE_EVERY)]
-    assert picks[:-1] == [0] * (2 * PROBE_EVERY - 1) and picks[-1] == k_max  # the interval doubled
+    assert picks[:-1] == [0] * (2 * PROBE_EVERY - 1) and picks[-1] == probe  # the interval doubled
+
+
+def test_a_greedy_probe_sees_past_k_in_hindsight():
+    """A whole-block probe verifies k drafts; each later draft counts as accepted once the target has
+    committed that very token (and every one before it), as a longer verification would have."""
+    k_max = 15
+    chooser = AutoK(k_max, _cost(1.0, 3.0))
+    chooser.choose()
+    est = chooser.acceptance = AcceptanceEstimate(k_max, decay=1.0)  # plain counts
+    drafts = list(range(100, 115))  # a probe of k = 2 over the whole block
+    chooser.observe(2, 2, 1.5, [100, 101, 102], drafts[2:])  # both accepted; the target's token = draft 3
+    assert est.trials.tolist() == est.hits.tolist() == [1.0] * 3 + [0.0] * 12
+    chooser.observe(0, 0, 1.0, [103])  # an AR step commits draft 4
+    chooser.observe(1, 1, 1.2, [104, 999])  # a round commits draft 5, then not draft 6
+    # the probe: positions 1-5 accepted, 6 rejected and so every one past it; the round: position 1
+    assert est.trials.tolist() == [2.0] + [1.0] * 14
+    assert est.hits.tolist() == [2.0] + [1.0] * 4 + [0.0] * 10
+    assert not chooser._pending
+    chooser.observe(3, 1, 1.5, [300, 301], [400] * 12)  # a probe whose second draft is rejected:
+    assert est.trials.tolist() == [3.0] + [2.0] * 14  # a longer verification stops there too
+    assert est.hits.tolist() == [3.0] + [1.0] * 4 + [0.0] * 10 and not chooser._pending
 
 
 def test_autok_prefers_short_k_when_deep_positions_fail():
@@ -247,22 +271,26 @@ def test_autok_decision_follows_each_new_estimate():
     assert chooser.choose() == 0
 
 
-def test_long_rounds_now_and_then_among_short_ones():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_long_rounds_now_and_then_among_short_ones(sampled):
     """A short k leaves the positions past it unseen: after LONG_PROBE_EVERY short rounds in a row one
-    round drafts k_max; each that changes nothing doubles the interval."""
+    round sees them all (sampled: drafts k_max; greedy: drafts the whole block, verifies k); each that
+    changes nothing doubles the interval."""
     k_max = 15
     cost = RoundCost(k_max)
     for k, c in ((0, 1.0), (2, 1.2), (k_max, 5.0)):  # k = 2 pays, k = 15 does not
         for _ in range(AR_TIMINGS):
             cost.observe(k, c)
-    chooser = AutoK(k_max, cost)
+    chooser = AutoK(k_max, cost, sampled=sampled)
     chooser.choose()
     for _ in range(40):  # two drafts accepted per round
         chooser.observe(k_max, 2, 5.0)
-    picks = []
-    for _ in range(LONG_PROBE_EVERY * 7 + 1):
+    picks, longs = [], []
+    for i in range(LONG_PROBE_EVERY * 7 + 1):
         picks.append(chooser.choose())
-        chooser.observe(picks[-1], min(picks[-1], 2), 5.0 if picks[-1] == k_max else 1.2)
-    longs = [i for i, k in enumerate(picks) if k == k_max]
-    assert set(picks) == {2, k_max}
+        if picks[-1] == k_max or chooser.whole_block:
+            longs.append(i)
+        unverified = [1] * (k_max - picks[-1]) if chooser.whole_block else None
+        chooser.observe(picks[-1], min(picks[-1], 2), 5.0 if picks[-1] == k_max else 1.2, [0] * 3, unverified)
+    assert set(picks) == ({2, k_max} if sampled else {2})
     assert longs == [LONG_PROBE_EVERY - 1, 3 * LONG_PROBE_EVERY - 1, 7 * LONG_PROBE_EVERY - 1]
