@@ -14,8 +14,8 @@ cdef extern from "dk_attention.h":
     int RB_BIG "DK_RB"          # query rows per register block
     int RB_SMALL "DK_RB_SMALL"  # ... when an item packs only that many rows (decode)
     int W "DK_W"       # floats per vector: the FMA tiles' rows come in multiples of it
-    void dk_qkt_block(int nv, const float* kr, Py_ssize_t D, const float* qt, Py_ssize_t ldq, float* st,
-                      Py_ssize_t lds) noexcept nogil
+    void dk_qkt_block(int nv, const float* kr, Py_ssize_t ldk, Py_ssize_t D, const float* qt, Py_ssize_t ldq,
+                      float* st, Py_ssize_t lds) noexcept nogil
     void dk_pv_block(int rb, const float* pt, Py_ssize_t ldp, Py_ssize_t n, const float* v, Py_ssize_t ldv,
                      float* acc, Py_ssize_t lda, const float* alpha) noexcept nogil
     int KT "DK_KT"     # keys per tile: K and V tiles (2 x 16 KiB at D = 128) stay in L1
@@ -173,20 +173,21 @@ cdef inline int _ld(const Problem* P, int bf16) noexcept nogil:
 
 cdef void _load_tile(const Problem* P, Py_ssize_t g, Py_ssize_t j0, Py_ssize_t kn, float* kt,
                      float* vt) noexcept nogil:
-    """Fill kt (KT, D) = K[j0:j0+kn, g] (keys >= kn zero) and vt (KT, Dp) = V[j0:j0+kn, g] (upcast,
-    dims >= D zero; the P V kernels read only kn rows), rounded at "medium"."""
+    """Fill kt (KT, D) = K[j0:j0+kn, g] (keys >= kn zero; kt NULL: V only) and vt (KT, Dp) =
+    V[j0:j0+kn, g] (upcast, dims >= D zero; the P V kernels read only kn rows), rounded at "medium"."""
     cdef Py_ssize_t c, d, D = P.D, Dp = P.Dp, stride = P.H_kv * P.D
     cdef Py_ssize_t n1 = min(max(P.T1 - j0, 0), kn)  # keys of the tile in source 1
     cdef int bf
     if P.dot:  # pair words: kt (D / 2, KT), vt (KT / 2, Dp); a pair straddling the sources is joined
         _load_tile_pairs(P, g, j0, kn, n1, <uint32_t*>kt, <uint32_t*>vt)
         return
-    if n1 > 0:
-        dk_load_rows(_row_ptr(P, 0, g, j0, &bf), P.bf1, stride, D, n1, kt, D)
-    if kn > n1:
-        dk_load_rows(_row_ptr(P, 0, g, j0 + n1, &bf), P.bf2, stride, D, kn - n1, kt + n1 * D, D)
-    for c in range(kn * D, KT * D):
-        kt[c] = 0.0
+    if kt != NULL:
+        if n1 > 0:
+            dk_load_rows(_row_ptr(P, 0, g, j0, &bf), P.bf1, stride, D, n1, kt, D)
+        if kn > n1:
+            dk_load_rows(_row_ptr(P, 0, g, j0 + n1, &bf), P.bf2, stride, D, kn - n1, kt + n1 * D, D)
+        for c in range(kn * D, KT * D):
+            kt[c] = 0.0
     if n1 > 0:
         dk_load_rows(_row_ptr(P, 1, g, j0, &bf), P.bf1, stride, D, n1, vt, Dp)
     if kn > n1:
@@ -295,10 +296,11 @@ cdef void _pack_queries(const Problem* P, const float* q, Py_ssize_t b, float* q
 
 
 cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn, const float* qt, const float* kt,
-                    const float* vt, float* st, float* m, float* l, float* acc, const int32_t* lo,
+                    Py_ssize_t ldk, const float* vt, float* st, float* m, float* l, float* acc, const int32_t* lo,
                     const int32_t* hi, int masked, float* alpha, Py_ssize_t g_pf, Py_ssize_t j_pf,
                     Py_ssize_t j_end) noexcept nogil:
-    """One kv head's tile on the FMA tiles: st (KT, Rp) = K Q^T from qt (D, Rp) and the K rows kt,
+    """One kv head's tile on the FMA tiles: st (KT, Rp) = K Q^T from qt (D, Rp) and the K rows kt
+    (row stride ldk: the tile's copy, or the cache's rows in place),
     the online softmax down the keys (masked by lo/hi when `masked`), then acc += P V by row
     blocks, the rescale riding on them; only the vectors of rows that hold the R real rows, and P V
     for those rows (rounded up to 2). Prefetches keys j_pf.. (up to j_end) of kv head g_pf, the
@@ -308,7 +310,7 @@ cdef void _fma_tile(const Problem* P, Py_ssize_t R, Py_ssize_t j0, Py_ssize_t kn
     cdef Py_ssize_t n_blocks = (R2 + RB_BIG - 1) // RB_BIG
     cdef Py_ssize_t pf = (KT + n_blocks - 1) // n_blocks, pf_at = j_pf
     while r0 < Rv:  # S^T by 2 vectors of rows (the last by 1 when the rows fill an odd number)
-        dk_qkt_block(2 if r0 + 2 * W <= Rv else 1, kt, D, qt + r0, Rp, st + r0, Rp)
+        dk_qkt_block(2 if r0 + 2 * W <= Rv else 1, kt, ldk, D, qt + r0, Rp, st + r0, Rp)
         r0 += 2 * W
     dk_softmax_cols(Rv, st, Rp, masked, <int32_t>j0, lo, hi, P.medium, m, l, alpha)  # "medium": P rounded
     r0 = 0
@@ -339,6 +341,15 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
     cdef Py_ssize_t lo_min = _lo(P, t0), hi_max = _hi(P, t0 + nt - 1)
     cdef Py_ssize_t n_tiles = (hi_max - lo_min + KT) // KT
     cdef float inv
+    cdef int bf
+    cdef const float* kin                # the tile's K rows for the FMA tiles: kt, or the cache in place
+    cdef Py_ssize_t ldk
+    # The FMA tiles read a float32 tile's K rows in place, with no copy: S^T broadcasts them one
+    # element at a time, so their stride (a whole cache row) costs nothing, while their copy took
+    # 13-25% of the tiles' time (bench/attention_ab.py: 0.90-0.95 of the time on 16 queries over
+    # 4096 keys, every tier, docs/benchmarks.md session 28). V stays copied: P V loads V rows as
+    # vectors, 6-8 FMAs each, and read in place at their stride they cost avx2 1.12x the time.
+    cdef bint k_in_place = P.fma and not P.medium
     cdef int32_t lo_top = 0, hi_bot = <int32_t>hi_max  # the tiles that every row sees whole lie in lo_top..hi_bot
     cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head;
                                          # (H_kv, D, Rp) on the FMA tiles
@@ -396,7 +407,12 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
             continue
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
-            _load_tile(P, g, j0, kn, kt, vt)
+            if k_in_place and kn == KT and (j0 + KT <= P.T1 or j0 >= P.T1) and not (P.bf1 if j0 < P.T1 else P.bf2):
+                kin, ldk = <const float*>_row_ptr(P, 0, g, j0, &bf), H * D
+                _load_tile(P, g, j0, kn, NULL, vt)
+            else:
+                _load_tile(P, g, j0, kn, kt, vt)
+                kin, ldk = kt, D
             # the next (head, tile) to load: spread its prefetch over this head's row blocks
             g_pf, j_pf = g + 1, j0
             if g + 1 == H:
@@ -404,7 +420,8 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
                 if tile + 1 == (s + 1) * n_tiles // split:
                     j_pf = hi_max + 1  # this item's last tile: nothing to prefetch
             if P.fma:
-                _fma_tile(P, R, j0, kn, qg, kt, vt, sc, mg, lg, ag, lo_abs, hi_abs, j0 < lo_top or j0 + KT - 1 > hi_bot,
+                _fma_tile(P, R, j0, kn, qg, kin, ldk, vt, sc, mg, lg, ag, lo_abs, hi_abs,
+                          j0 < lo_top or j0 + KT - 1 > hi_bot,
                           alpha_r, g_pf, j_pf, min(j_pf + KT, hi_max + 1))
                 continue
             pf_per_block = (KT + Rp // P.rb - 1) // (Rp // P.rb)

@@ -64,8 +64,8 @@ typedef float dk_af __attribute__((vector_size(DK_W * 4), aligned(4)));
 #define DK_ST(p, x) (*(dk_af*)(p) = (x))
 
 #define DK_AI static inline __attribute__((always_inline))
-/* st[0:kb, 0:nv W] (row stride lds) = kr[0:kb, 0:D] (row stride D) . qt[0:D, 0:nv W] (row stride ldq) */
-DK_AI void dk_qkt_rows(const int kb, const int nv, const float* kr, Py_ssize_t D, const float* qt,
+/* st[0:kb, 0:nv W] (row stride lds) = kr[0:kb, 0:D] (row stride ldk) . qt[0:D, 0:nv W] (row stride ldq) */
+DK_AI void dk_qkt_rows(const int kb, const int nv, const float* kr, Py_ssize_t ldk, Py_ssize_t D, const float* qt,
                        Py_ssize_t ldq, float* st, Py_ssize_t lds) {
     dk_af a[16][2];
     for (int i = 0; i < kb; i++)
@@ -74,7 +74,7 @@ DK_AI void dk_qkt_rows(const int kb, const int nv, const float* kr, Py_ssize_t D
         dk_af x[2];
         for (int v = 0; v < nv; v++) x[v] = DK_LD(qt + d * ldq + v * DK_W);
         for (int i = 0; i < kb; i++) {
-            float ki = kr[i * D + d];
+            float ki = kr[i * ldk + d];
             for (int v = 0; v < nv; v++) a[i][v] += ki * x[v];
         }
     }
@@ -82,16 +82,18 @@ DK_AI void dk_qkt_rows(const int kb, const int nv, const float* kr, Py_ssize_t D
         for (int v = 0; v < nv; v++) DK_ST(st + i * lds + v * DK_W, a[i][v]);
 }
 
-/* st[0:DK_KT, 0:nv W] = the tile's DK_KT keys (kr, rows of D) . qt[0:D, 0:nv W], nv = 1 or 2
-   (kept out of line, as dk_pv_block: inlined into the tile loop, the accumulators spilled) */
-__attribute__((noinline)) static void dk_qkt_block(int nv, const float* kr, Py_ssize_t D, const float* qt,
-                                                   Py_ssize_t ldq, float* st, Py_ssize_t lds) {
+/* st[0:DK_KT, 0:nv W] = the tile's DK_KT keys (kr, rows of D, row stride ldk) . qt[0:D, 0:nv W],
+   nv = 1 or 2 (kept out of line, as dk_pv_block: inlined into the tile loop, the accumulators
+   spilled) */
+__attribute__((noinline)) static void dk_qkt_block(int nv, const float* kr, Py_ssize_t ldk, Py_ssize_t D,
+                                                   const float* qt, Py_ssize_t ldq, float* st, Py_ssize_t lds) {
     int c = 0;
     if (nv == 2) {
-        for (; c < DK_KT - DK_TKB_REST; c += DK_TKB) dk_qkt_rows(DK_TKB, 2, kr + c * D, D, qt, ldq, st + c * lds, lds);
-        for (; c < DK_KT; c += 4) dk_qkt_rows(4, 2, kr + c * D, D, qt, ldq, st + c * lds, lds);
+        for (; c < DK_KT - DK_TKB_REST; c += DK_TKB)
+            dk_qkt_rows(DK_TKB, 2, kr + c * ldk, ldk, D, qt, ldq, st + c * lds, lds);
+        for (; c < DK_KT; c += 4) dk_qkt_rows(4, 2, kr + c * ldk, ldk, D, qt, ldq, st + c * lds, lds);
     } else {
-        for (; c < DK_KT; c += DK_TKB1) dk_qkt_rows(DK_TKB1, 1, kr + c * D, D, qt, ldq, st + c * lds, lds);
+        for (; c < DK_KT; c += DK_TKB1) dk_qkt_rows(DK_TKB1, 1, kr + c * ldk, ldk, D, qt, ldq, st + c * lds, lds);
     }
 }
 
