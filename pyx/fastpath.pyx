@@ -23,7 +23,7 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.math cimport INFINITY, isfinite, pow
-from libc.stdint cimport INT64_MAX, int64_t
+from libc.stdint cimport INT64_MAX, int64_t, uintptr_t
 
 import numpy as np
 
@@ -200,7 +200,7 @@ cdef class Fast:
     cdef double _resolved_at
     cdef bint _ready
     cdef object dense, attention, acceptance, denoise, linear_attention, delegates, packed_type, draw_uniforms
-    cdef object tensor_type, from_numpy, torch_f32, torch_bf16, torch_i16, torch_i64, torch_f64
+    cdef object tensor_type, from_numpy, torch_f32, torch_bf16, torch_i16, torch_i64, torch_f64, torch_strided
     cdef double _min_temperature
     cdef int _env_threads, _parts
     cdef object _max_threads
@@ -243,7 +243,7 @@ cdef class Fast:
         torch = found["torch"]
         self.tensor_type, self.from_numpy = torch.Tensor, torch.from_numpy
         self.torch_f32, self.torch_bf16, self.torch_i16 = torch.float32, torch.bfloat16, torch.int16
-        self.torch_i64, self.torch_f64 = torch.int64, torch.float64
+        self.torch_i64, self.torch_f64, self.torch_strided = torch.int64, torch.float64, torch.strided
         self._raws, self._generation, self._resolved_at, self._ready = raws, _generation, now, True
         return True
 
@@ -257,11 +257,36 @@ cdef class Fast:
         if a.requires_grad or not a.is_cpu:  # asked first: numpy() would throw from C++ (ASan stops on that)
             return _DECLINE
         dtype = a.dtype
-        try:
-            if dtype is self.torch_f32 or dtype is self.torch_i64 or dtype is self.torch_f64:
+        cdef int typenum
+        if dtype is self.torch_f32:
+            typenum = cnp.NPY_FLOAT32
+        elif dtype is self.torch_bf16:
+            typenum = cnp.NPY_UINT16
+        elif dtype is self.torch_i64:
+            typenum = cnp.NPY_INT64
+        elif dtype is self.torch_f64:
+            typenum = cnp.NPY_FLOAT64
+        else:
+            return _DECLINE
+        # A dense C-contiguous tensor's memory as an array over its data pointer, the tensor its base:
+        # what numpy() returns, in about half its time (0.75 us; bf16, through an int16 view, 1.4 us)
+        cdef uintptr_t data
+        cdef cnp.npy_intp dims[8]
+        cdef int i, ndim
+        if a.layout is self.torch_strided and not a.is_neg() and a.is_contiguous():
+            data = a.data_ptr()
+            shape = a.shape
+            ndim = len(shape)
+            if data != 0 and ndim <= 8:  # (an empty tensor may have no data: numpy() below)
+                for i in range(ndim):
+                    dims[i] = shape[i]
+                arr = cnp.PyArray_SimpleNewFromData(ndim, dims, typenum, <void *> data)
+                cnp.set_array_base(<cnp.ndarray> arr, a)  # the tensor, and through it the memory, lives on
+                return arr
+        try:  # a strided view (the Python path's checks decide), an empty tensor
+            if typenum != cnp.NPY_UINT16:
                 return a.numpy()
-            if dtype is self.torch_bf16:
-                return a.view(self.torch_i16).numpy().view(np.uint16)
+            return a.view(self.torch_i16).numpy().view(np.uint16)
         except (RuntimeError, TypeError):  # a conjugate / negative view
             pass
         return _DECLINE

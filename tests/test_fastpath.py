@@ -175,6 +175,13 @@ def _mutations():
         arrays(lambda a: torch.from_numpy(a.copy()).requires_grad_(), "f"),
         arrays(lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16), "u"),
         arrays(lambda a: torch.nn.Parameter(torch.from_numpy(a.copy()), requires_grad=False), "f"),
+        # tensors the fast path reads through their data pointer, or must not: at an offset in their
+        # storage, strided, with the negative bit, sparse, empty
+        arrays(lambda a: torch.cat([torch.from_numpy(a.copy())] * 2)[len(a):] if a.ndim else a),
+        arrays(lambda a: torch.from_numpy(np.ascontiguousarray(a))[..., ::2]),
+        arrays(lambda a: torch._neg_view(torch.from_numpy(-a)), "f"),
+        arrays(lambda a: torch.from_numpy(a.copy()).to_sparse(), "f"),
+        arrays(lambda a: torch.from_numpy(np.ascontiguousarray(a))[:0]),
         arrays(lambda a: a.astype(a.dtype.newbyteorder())),
         arrays(lambda a: a.tolist()),
         arrays(lambda a: np.require(a, requirements="C").view(np.matrix) if a.ndim == 2 else a),
