@@ -82,6 +82,11 @@ def _tensor_view(x: torch.Tensor, name: str) -> np.ndarray:
     # each property of a tensor costs a call into torch: the fewest that tell (not x.device.type)
     if not x.is_cpu:
         raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+    # (numpy() would throw from C++ on these, naming nothing; a copy would lose an in-place update)
+    if x.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+    if x.is_neg():
+        raise ValueError(f"{name} is a negative view (torch._neg_view); pass {name}.resolve_neg()")
     if x.requires_grad:  # detach() only when numpy() would refuse the tensor
         x = x.detach()
     if x.dtype is torch.bfloat16:

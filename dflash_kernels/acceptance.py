@@ -21,6 +21,7 @@ from ._fastpath import FAST
 from ._tensors import (
     Array,
     Generator,
+    _tensor_view,
     any_torch,
     first_nonzero,
     float_array,
@@ -55,7 +56,7 @@ def draw_uniforms(generator, shape, name: str = "generator") -> np.ndarray:
 def check_uniforms(uniforms, shape, name: str = "uniforms") -> np.ndarray:
     """Validate caller-supplied uniforms: exact shape, floating, all in [0, 1); float64 copy."""
     if is_torch(uniforms):
-        uniforms = uniforms.detach().cpu().numpy()
+        uniforms = _tensor_view(uniforms.cpu(), name)
     u = np.asarray(uniforms)
     if u.dtype.kind != "f":
         raise TypeError(f"{name} must be a float array, got dtype {u.dtype}")

@@ -13,7 +13,18 @@ from ._dispatch import run
 from ._docs import shared_doc
 from ._fastpath import FAST
 from ._precision import parts as precision_parts
-from ._tensors import Array, dtype_name, f32_array, float_array, hugepage_empty, index_array, is_real, is_torch, wrap
+from ._tensors import (
+    Array,
+    _tensor_view,
+    dtype_name,
+    f32_array,
+    float_array,
+    hugepage_empty,
+    index_array,
+    is_real,
+    is_torch,
+    wrap,
+)
 from ._threads import resolve_threads
 
 
@@ -594,7 +605,8 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
         raise ValueError(f"rotary_dim must be even with 2 <= rotary_dim <= D={d}, got {rd}")
     freq = None
     if inv_freq is not None:
-        freq = np.ascontiguousarray(inv_freq.detach().numpy() if is_torch(inv_freq) else inv_freq, np.float64)
+        freq = np.ascontiguousarray(_tensor_view(inv_freq, "inv_freq") if is_torch(inv_freq) else inv_freq,
+                                    np.float64)
         if freq.shape != (rd // 2,) or not np.all(np.isfinite(freq)) or not np.all(freq > 0):
             raise ValueError(f"inv_freq must hold rotary_dim / 2 = {rd // 2} finite positive numbers, "
                              f"got shape {freq.shape}")
@@ -604,7 +616,7 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
     else:
         if dtype_name(out) != "float32":
             raise TypeError(f"out must be float32, got {dtype_name(out)}")
-        dst = out.detach().numpy() if is_torch(out) else out
+        dst = _tensor_view(out, "out") if is_torch(out) else out
         if not isinstance(dst, np.ndarray) or dst.shape != xa.shape or not dst.flags.c_contiguous \
                 or not dst.flags.writeable:
             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {xa.shape}")

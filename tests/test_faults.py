@@ -72,6 +72,13 @@ CASES = [
     ("backend='nonsense'", "load_default('stdlib', backend='nonsense')", ("ValueError", "backend")),
     ("a directory where config.json goes", "d = tmp / 'dir_config'; shutil.copytree(target, d)\n"
      "(d / 'config.json').unlink(); (d / 'config.json').mkdir()\nload(d)", ("ConfigError", "config.json")),
+    ("a sparse tensor operand", "import torch\ndk.rms_norm(torch.from_numpy(x).to_sparse(), w)",
+     ("TypeError", "x must be a dense (strided) tensor")),
+    ("a negative view operand", "import torch\ndk.rms_norm(torch._neg_view(torch.from_numpy(-x)), w)",
+     ("ValueError", "x is a negative view")),
+    ("a negative view as out", "import torch\n"
+     "dk.apply_rope(q, np.arange(2), 1e4, out=torch._neg_view(torch.zeros(q.shape)))",
+     ("ValueError", "out is a negative view")),
     # 9. SIGBUS after truncating a mapped file: mmap=False reads the weights into memory instead
     ("mmap=False survives truncation", "d = tmp / 'copy'; shutil.copytree(target, d)\n"
      "e = load(d, mmap=False)\nfor f in d.glob('*.safetensors'):\n    f.write_bytes(b'')\n"
