@@ -605,7 +605,8 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int | None 
         raise ValueError(f"rotary_dim must be even with 2 <= rotary_dim <= D={d}, got {rd}")
     freq = None
     if inv_freq is not None:
-        freq = np.ascontiguousarray(_tensor_view(inv_freq, "inv_freq") if is_torch(inv_freq) else inv_freq,
+        # (a torch tensor as float64 first: a bf16 one's view is its bit patterns)
+        freq = np.ascontiguousarray(_tensor_view(inv_freq.double(), "inv_freq") if is_torch(inv_freq) else inv_freq,
                                     np.float64)
         if freq.shape != (rd // 2,) or not np.all(np.isfinite(freq)) or not np.all(freq > 0):
             raise ValueError(f"inv_freq must hold rotary_dim / 2 = {rd // 2} finite positive numbers, "

@@ -311,7 +311,7 @@ class AutoK:
 
     def observe(self, k: int, accepted: int, seconds: float, committed=(), unverified=None) -> None:
         """A round drafted k, accepted `accepted` and took `seconds`. committed: the tokens it
-        committed (greedy; earlier probes' drafts are checked against them); unverified: a
+        committed (earlier greedy probes' drafts are checked against them); unverified: a
         ``whole_block`` round's drafts past k."""
         self._resolve(committed)  # earlier probes first: this round's tokens follow theirs
         self.acceptance.observe(k, accepted)

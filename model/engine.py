@@ -400,9 +400,9 @@ class _Run:
                 flush()
             t0 = perf_counter()
             callback_before = self.callback_s
+            unverified = None  # a whole-block probe's drafts past kk (auto, greedy)
             if kk <= 0:  # autoregressive step (no drafter, auto's choice, or the last token of the budget)
                 t1 = t0
-                unverified = None
                 # with auto, drafting may resume: the drafter will need this position's context,
                 # added in one batch when it does (one GEMM instead of a GEMV per step)
                 hidden, taps = target.forward([anchor], cache, taps=auto)
@@ -412,11 +412,11 @@ class _Run:
                 t2 = perf_counter()
                 a = 0
             else:
-                q, unverified = None, None
+                q = None
                 if self.temperature == 0.0:
                     if auto and chooser.whole_block:  # a probe: the whole block drafted, k verified
                         drafts = drafter.draft(anchor, max(kk, min(k, room - 1)), ctx)
-                        drafts, unverified = drafts[:kk], drafts[kk:]
+                        drafts, unverified = drafts[:kk], drafts[kk:].tolist()
                     else:
                         drafts = drafter.draft(anchor, kk, ctx)  # (k,) argmax drafts
                 else:  # drafts sampled from the drafter's q; rejection sampling gets q too
@@ -446,8 +446,7 @@ class _Run:
             t3 = perf_counter()
             seconds = t3 - t0 - (self.callback_s - callback_before)
             if auto:
-                chooser.observe(max(kk, 0), a, seconds, new if self.temperature == 0.0 else (),
-                                unverified if unverified is None else unverified.tolist())
+                chooser.observe(max(kk, 0), a, seconds, new, unverified)
             elif self.temperature == 0.0 and len(m.accepted) > 1:
                 # a greedy round of a fixed k times that k for "auto" too (the round cost is the
                 # Engine's); the first after the prefill runs on cold caches

@@ -349,7 +349,7 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
     # 13-25% of the tiles' time (bench/attention_ab.py: 0.90-0.95 of the time on 16 queries over
     # 4096 keys, every tier, docs/benchmarks.md session 28). V stays copied: P V loads V rows as
     # vectors, 6-8 FMAs each, and read in place at their stride they cost avx2 1.12x the time.
-    cdef bint k_in_place = P.fma and not P.medium
+    cdef bint k_in_place = P.fma and not P.medium, tile_in_place
     cdef int32_t lo_top = 0, hi_bot = <int32_t>hi_max  # the tiles that every row sees whole lie in lo_top..hi_bot
     cdef float* qp = buf                 # (H_kv, Rp, D) scaled queries, row r = (t - t0) * group + head;
                                          # (H_kv, D, Rp) on the FMA tiles
@@ -405,9 +405,12 @@ cdef void _item(const Problem* P, const float* q, const float* q_packed, Py_ssiz
         if P.direct:
             _direct_tile(P, j0, kn, qp, sc, m, l, acc, lo_abs, hi_abs)
             continue
+        # a whole tile of float32 keys in one source: its K rows read in place
+        tile_in_place = k_in_place and kn == KT and (j0 + KT <= P.T1 or j0 >= P.T1) \
+            and not (P.bf1 if j0 < P.T1 else P.bf2)
         for g in range(H):
             qg, mg, lg, ag = qp + g * Rp * D, m + g * Rp, l + g * Rp, acc + g * Rp * Dp
-            if k_in_place and kn == KT and (j0 + KT <= P.T1 or j0 >= P.T1) and not (P.bf1 if j0 < P.T1 else P.bf2):
+            if tile_in_place:
                 kin, ldk = <const float*>_row_ptr(P, 0, g, j0, &bf), H * D
                 _load_tile(P, g, j0, kn, NULL, vt)
             else:
