@@ -302,6 +302,16 @@ def test_apply_rope_torch_io_and_n_threads(kernel_backend):
     np.testing.assert_array_equal(xt.numpy(), one.numpy())
 
 
+def test_apply_rope_inv_freq_tensor_of_any_float_dtype():
+    """inv_freq as a torch tensor is read as its values whatever its dtype (a bf16 tensor's numpy view
+    holds bit patterns)."""
+    x = make_float(np.random.default_rng(5), (3, 2, 8), "float32")
+    freq = torch.tensor([1.0, 0.5, 0.25, 0.125])  # exact in bf16
+    want = dk.apply_rope(x, np.arange(3), 1e4, inv_freq=freq.numpy().astype(np.float64))
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        np.testing.assert_array_equal(dk.apply_rope(x, np.arange(3), 1e4, inv_freq=freq.to(dtype)), want)
+
+
 def test_apply_rope_bad_input():
     x, pos = np.zeros((2, 1, 8), np.float32), np.array([0, 1])
     with pytest.raises(ValueError, match="rotary_dim"):
