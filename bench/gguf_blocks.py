@@ -1,13 +1,13 @@
 """A GGUF target with its layers' projections kept in their blocks against the same target expanded.
 
-Loads the shipped SmolLM2-135M-Instruct GGUF (Q4_1 layers) twice in one process, with
-``gguf_dtype="blocks"`` (the kernels read the 4-bit blocks, dk_quant.h) and with the default bf16
-expansion, both with the shipped drafter, and times greedy generation of the held-out chat prompts,
-autoregressive and DFlash (``-k``), alternating the two loads round by round. Prints median
-tokens/s per load and mode, and the ratios; checks that each load's DFlash output equals its own
-autoregressive output.
+Loads the shipped SmolLM2-135M-Instruct GGUF (Q4_1 layers) once per ``--loads`` entry in one process:
+``gguf_dtype="blocks"`` (the kernels read the 4-bit blocks, dk_quant.h), "blocks-int8" (the same
+blocks times int8 activations) and the default bf16 expansion, each with the shipped drafter, and
+times greedy generation of the held-out chat prompts, autoregressive and DFlash (``-k``), alternating
+the loads round by round. Prints median tokens/s per load and mode, and the ratios; checks that each
+load's DFlash output equals its own autoregressive output.
 
-    python bench/gguf_blocks.py --threads 2 --rounds 5
+    python bench/gguf_blocks.py --threads 2 --rounds 5 [--loads blocks,blocks-int8,bfloat16]
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("-k", default="auto", help="drafts per round for the DFlash rows (default: auto)")
+    ap.add_argument("--loads", default="blocks,blocks-int8,bfloat16",
+                    help="comma-separated gguf_dtype values to compare (the last is the baseline)")
     args = ap.parse_args(argv)
     k = args.k if args.k == "auto" else int(args.k)
     target, drafter = default_model_dirs("smollm2")
-    engines = {dt: load(target, drafter, n_threads=args.threads, gguf_dtype=dt) for dt in ("blocks", "bfloat16")}
-    prompts = load_prompts(None, args.n_prompts, engines["blocks"])
+    loads = args.loads.split(",")
+    engines = {dt: load(target, drafter, n_threads=args.threads, gguf_dtype=dt) for dt in loads}
+    prompts = load_prompts(None, args.n_prompts, engines[loads[0]])
     times: dict[tuple[str, str], list[float]] = {}
     same = True
     for r in range(args.rounds):
@@ -61,10 +64,12 @@ def main(argv=None) -> int:
     print("|---|---|---|---|")
     for dt in engines:
         print(f"| {dt} | {med[dt, 'ar']:.1f} | {med[dt, 'dflash']:.1f} | {med[dt, 'dflash'] / med[dt, 'ar']:.2f}x |")
-    print(f"\nblocks / bfloat16: autoregressive {med['blocks', 'ar'] / med['bfloat16', 'ar']:.2f}x, "
-          f"DFlash {med['blocks', 'dflash'] / med['bfloat16', 'dflash']:.2f}x "
-          f"(medians of {args.rounds} alternating rounds, {len(prompts)} prompts, {args.max_new_tokens} new tokens)")
-    print(f"greedy DFlash output identical to autoregressive on both loads: {same}")
+    base = loads[-1]
+    for dt in loads[:-1]:
+        print(f"\n{dt} / {base}: autoregressive {med[dt, 'ar'] / med[base, 'ar']:.2f}x, "
+              f"DFlash {med[dt, 'dflash'] / med[base, 'dflash']:.2f}x")
+    print(f"(medians of {args.rounds} alternating rounds, {len(prompts)} prompts, {args.max_new_tokens} new tokens)")
+    print(f"greedy DFlash output identical to autoregressive on every load: {same}")
     return 0
 
 

@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ours", action="store_true", help="time this project's engine instead of llama.cpp")
     ap.add_argument("-k", default="15", help="drafts per round for --ours (an int or 'auto')")
-    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks"),
+    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
                     help="--ours: the GGUF's weights expanded, or its blocks read as stored (load's gguf_dtype)")
     args = ap.parse_args()
     if args.ours:

@@ -43,7 +43,8 @@ def tier_lines() -> list[str]:
         lines.append(f"linear bf16 weights packed (dk.prepare_weight, as the model layer holds them), M={rows}: "
                      + ", ".join(f"{p} -> {v}" for p, v in paths.items()))
     lines.append("linear GGUF blocks (dk.pack_quantized; load(..., gguf_dtype=\"blocks\")), every M and precision: "
-                 f"{dense.packed_path_name(1, 2)} (bit-identical to their float32 expansion)")
+                 f"{dense.packed_path_name(1, 2)} (bit-identical to their float32 expansion); Q4 blocks times int8 "
+                 f"activations (gguf_dtype=\"blocks-int8\"): {dense.packed_path_name(1, 4)}")
     from ._autotune import cache_file, delegated_entries
 
     entries = sorted(delegated_entries(default_threads()))

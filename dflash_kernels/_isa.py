@@ -4,7 +4,7 @@ The Cython kernels are compiled once per tier (setup.py), into dflash_kernels._c
 
     avx2         x86-64-v3: AVX2 + FMA (8-float vectors)
     avx512       x86-64-v4: AVX-512 F/BW/CD/DQ/VL (16-float vectors)
-    avx512_bf16  + AVX512-BF16: vdpbf16ps for bf16 weights and K/V
+    avx512_bf16  + AVX512-BF16 and AVX512-VNNI: vdpbf16ps for bf16 weights and K/V, vpdpbusd for int8
     amx          + AMX-BF16 tiles: TDPBF16PS for bf16-weight blocks
 
 The tier is the highest one the CPU (CPUID flags as Linux reports them) and the OS (AMX tile state
@@ -29,7 +29,7 @@ NATIVE = "native"
 TIER_FLAGS = {
     "avx2": ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"),
     "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-    "avx512_bf16": ("avx512_bf16",),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),  # every AVX512-BF16 CPU has VNNI (vpdpbusd)
     "amx": ("amx_tile", "amx_bf16"),
 }
 

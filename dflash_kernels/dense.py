@@ -71,6 +71,7 @@ def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str =
 
 
 PANEL = 16  # output columns per panel of a packed weight (pyx/dk_packed.h)
+Q4_INT8 = 4  # PackedWeight.quant of Q4 blocks times int8 activations (dflash_kernels.quant, pyx/dk_quant.h)
 
 
 class PackedWeight:
@@ -265,7 +266,8 @@ def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Ar
 
     if isinstance(weight, QuantizedRows):  # GGUF blocks: run as they are where Cython runs
         cython = resolve(backend, "dense")[0] == "cython"
-        return pack_quantized(weight) if cython and weight.blocks.size else weight.dequantize()
+        int8 = weight.activations == "int8" and weight.qtype != "Q8_0"  # computed as such on every backend
+        return pack_quantized(weight) if (cython or int8) and weight.blocks.size else weight.dequantize()
     w = float_array(weight, "weight", ndim=2)
     if resolve(backend, "dense")[0] != "cython" or not w.size:
         return weight
@@ -357,6 +359,10 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
             if name == "cython":
                 mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite,
                                   quant=packed.quant)
+            elif packed.quant == Q4_INT8:  # the kernels' int8 arithmetic, bit for bit
+                from .quant import linear_int8_reference
+
+                out[...] = linear_int8_reference(x2, packed, b)
             else:  # the other backends read the row-major layout
                 run("dense", "linear", (x2, packed.unpack(), b), out, backend=name, n_threads=nt, parts=parts)
         elif backend in ("auto", None) and delegates(x2.shape[0], n, k, w.dtype == np.uint16, parts, nt) \

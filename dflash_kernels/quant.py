@@ -17,28 +17,33 @@ from __future__ import annotations
 import numpy as np
 
 from ._tensors import hugepage_empty
-from .dense import PackedWeight
+from .dense import Q4_INT8, PackedWeight
 
 BLOCK = 32  # weights per GGUF block (K is a multiple of it)
 PANEL = 16  # output columns per panel (pyx/dk_quant.h)
 # bytes of one GGUF block, and the kernels' format code (pyx/dk_quant.h: DK_Q4, DK_Q8)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 FORMAT = {"Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
-FORMAT_NAMES = {2: "q4", 3: "q8"}
-RECORD_BYTES = {2: 64 + 256, 3: 32 + 512}  # one block of one panel (16 columns)
+FORMAT_NAMES = {2: "q4", 3: "q8", 4: "q4-int8"}
+RECORD_BYTES = {2: 64 + 256, 3: 32 + 512, 4: 64 + 256}  # one block of one panel (16 columns)
+ACTIVATIONS = ("float", "int8")
 
 
 class QuantizedRows:
     """A linear weight (N, K) as GGUF blocks: ``blocks`` (N, K / 32, bytes per block) uint8, ``qtype``
     "Q4_0", "Q4_1" or "Q8_0". Rows can be stacked (``concat``) and reordered (``take``) without
-    touching the values; ``dequantize`` gives the exact float32 weights."""
+    touching the values; ``dequantize`` gives the exact float32 weights. ``activations``: what
+    ``pack_quantized`` multiplies Q4 blocks with by default, "float" (exact) or "int8"."""
 
-    __slots__ = ("blocks", "qtype")
+    __slots__ = ("blocks", "qtype", "activations")
     ndim = 2
 
-    def __init__(self, blocks: np.ndarray, qtype: str):
+    def __init__(self, blocks: np.ndarray, qtype: str, activations: str = "float"):
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
         blocks = np.asarray(blocks)
         if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != BLOCK_BYTES[qtype]:
             raise ValueError(f"{qtype} blocks must be uint8 of shape (N, K / {BLOCK}, {BLOCK_BYTES[qtype]}), "
@@ -78,7 +83,8 @@ class QuantizedRows:
         """These rows, in this order, still as blocks (a copy); as ``ndarray.take(rows, axis=0)``."""
         if axis != 0:
             raise ValueError("QuantizedRows.take selects rows (axis=0) only")
-        return QuantizedRows(np.ascontiguousarray(self.blocks[np.asarray(rows).reshape(-1)]), self.qtype)
+        return QuantizedRows(np.ascontiguousarray(self.blocks[np.asarray(rows).reshape(-1)]), self.qtype,
+                             self.activations)
 
     def __getitem__(self, rows) -> np.ndarray:
         """Rows (an int, a slice or an index array) as their float32 values, as indexing an array
@@ -91,9 +97,11 @@ class QuantizedRows:
     def concat(parts) -> QuantizedRows:
         """Rows stacked in order; every part must have the same qtype and K."""
         qtypes, ks = {p.qtype for p in parts}, {p.shape[1] for p in parts}
-        if len(qtypes) != 1 or len(ks) != 1:
-            raise ValueError(f"only rows of one qtype and K stack, got {sorted(qtypes)} and K {sorted(ks)}")
-        return QuantizedRows(np.concatenate([p.blocks for p in parts]), qtypes.pop())
+        acts = {p.activations for p in parts}
+        if len(qtypes) != 1 or len(ks) != 1 or len(acts) != 1:
+            raise ValueError(f"only rows of one qtype, K and activations stack, got {sorted(qtypes)}, K {sorted(ks)} "
+                             f"and {sorted(acts)}")
+        return QuantizedRows(np.concatenate([p.blocks for p in parts]), qtypes.pop(), acts.pop())
 
     def finite(self) -> bool:
         """Whether every scale (and offset) is finite: float16 exponent bits all ones are inf or NaN."""
@@ -123,21 +131,29 @@ def _scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | No
     return d, d.astype(np.float32) * -8.0, q
 
 
-def pack_quantized(rows: QuantizedRows) -> PackedWeight:
+def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> PackedWeight:
     """Lay GGUF blocks out in the kernels' panels (pyx/dk_quant.h), for ``linear`` and the fused layers.
 
     Makes one copy. The Cython tiers run the result as it is (``linear`` on any other backend expands
     it to its float32 values); results are bit-identical to ``pack_weight(rows.dequantize())``.
+    With ``activations="int8"``, Q4 blocks are instead multiplied as llama.cpp does: each row of x
+    rounded to int8 per block of 32 k, integer dot products, one float scale per block
+    (``linear_int8_reference`` gives the same bits); faster where several rows share the weights
+    (verification, prefill), and no longer the float32 expansion's values.
 
     Parameters
     ----------
     rows : QuantizedRows
         A weight (N, K) as Q4_0, Q4_1 or Q8_0 blocks (``QuantizedRows.from_bytes`` of a GGUF tensor).
+    activations : {"float", "int8"}, optional
+        What Q4 blocks multiply: float32 activations exactly, or int8 ones. Default: rows.activations.
+        Q8_0 blocks always take float activations.
 
     Returns
     -------
     PackedWeight
-        Shape (N, K), dtype uint8, ``quant`` 2 (Q4_0 / Q4_1, 5 bits a weight) or 3 (Q8_0, 8.5 bits).
+        Shape (N, K), dtype uint8, ``quant`` 2 (Q4_0 / Q4_1, 5 bits a weight), 3 (Q8_0, 8.5 bits) or 4
+        (Q4_0 / Q4_1 times int8 activations).
 
     Raises
     ------
@@ -161,8 +177,13 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
     if not isinstance(rows, QuantizedRows):
         raise TypeError(f"rows must be a QuantizedRows (GGUF blocks: QuantizedRows.from_bytes), got "
                         f"{type(rows).__name__}; pack float32 / bf16 weights with pack_weight")
+    activations = rows.activations if activations is None else activations
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     n, k = rows.shape
     fmt, nb = FORMAT[rows.qtype], k // BLOCK
+    if fmt == 2 and activations == "int8":
+        fmt = Q4_INT8
     n16 = -(-n // PANEL)
     d, m, q = _scales(rows.blocks, rows.qtype)
     if m is not None:  # the panels carry m as float16: Q4_1's is one, Q4_0's -8 d is unless it overflows
@@ -176,10 +197,15 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
     rec = hugepage_empty((n16, nb, RECORD_BYTES[fmt]), np.uint8)
     # per panel and block: the 16 columns' d (and m) as float16, then the integers k-major
     rec[..., :32] = d.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
-    if fmt == 2:
+    if fmt != 3:
         rec[..., 32:64] = m.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
+    if fmt == 2:
         pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # (N16 * 16, nb, 16): byte p = q[2p] | q[2p + 1] << 4
         rec[..., 64:] = pairs.reshape(n16, PANEL, nb, 16).transpose(0, 2, 3, 1).reshape(n16, nb, 256)
+    elif fmt == Q4_INT8:  # per group g of 8 k, 4 bytes a column: byte i = q[8g + i] | q[8g + 4 + i] << 4
+        g = q.reshape(n16, PANEL, nb, 4, 8)
+        quads = g[..., :4] | (g[..., 4:] << 4)  # (N16, 16 columns, nb, 4 groups, 4 bytes)
+        rec[..., 64:] = quads.transpose(0, 2, 3, 1, 4).reshape(n16, nb, 256)
     else:
         rec[..., 32:] = q.view(np.uint8).reshape(n16, PANEL, nb, BLOCK).transpose(0, 2, 3, 1).reshape(n16, nb, 512)
     data = rec.reshape(-1)
@@ -193,7 +219,10 @@ def unpack_quantized(data: np.ndarray, shape: tuple[int, int], fmt: int) -> np.n
     n16, nb = -(-n // PANEL), k // BLOCK
     rec = np.asarray(data).reshape(n16, nb, RECORD_BYTES[fmt])
     d = rec[..., :32].copy().view(np.float16).astype(np.float32)  # (N16, nb, 16 columns)
-    if fmt == 2:
+    if fmt == Q4_INT8:
+        m = rec[..., 32:64].copy().view(np.float16).astype(np.float32)
+        w = d[:, :, None, :] * _q4_int8_q(rec).astype(np.float32) + m[:, :, None, :]
+    elif fmt == 2:
         m = rec[..., 32:64].copy().view(np.float16).astype(np.float32)
         pairs = rec[..., 64:].reshape(n16, nb, 16, PANEL)
         q = np.stack([pairs & 15, pairs >> 4], axis=3).reshape(n16, nb, BLOCK, PANEL).astype(np.float32)
@@ -202,3 +231,47 @@ def unpack_quantized(data: np.ndarray, shape: tuple[int, int], fmt: int) -> np.n
         q = rec[..., 32:].view(np.int8).reshape(n16, nb, BLOCK, PANEL).astype(np.float32)
         w = d[:, :, None, :] * q
     return np.ascontiguousarray(w.transpose(0, 3, 1, 2).reshape(n16 * PANEL, k)[:n])
+
+
+def _q4_int8_q(rec: np.ndarray) -> np.ndarray:
+    """The integers (N16, nb, 32 k, 16 columns) of Q4-times-int8 records (N16, nb, 320)."""
+    n16, nb = rec.shape[:2]
+    quads = rec[..., 64:].reshape(n16, nb, 4, PANEL, 4)  # (N16, nb, group, column, byte)
+    q = np.concatenate([quads & 15, quads >> 4], axis=-1)  # (.., column, 8 k of the group)
+    return q.transpose(0, 1, 2, 4, 3).reshape(n16, nb, BLOCK, PANEL)
+
+
+def linear_int8_reference(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+    """``linear`` over a Q4-times-int8 ``PackedWeight`` (quant 4) in numpy: the bits the kernels give
+    (pyx/dk_quant.h, DK_Q4X), for the backends without them and for tests.
+
+    Each row of x (M, K) float32 is rounded per block of 32 k: amax = max |x|, dx = amax / 127, xq =
+    rint(x 127 / amax) in [-127, 127] (0 where amax is 0; a non-finite block gives dx non-finite and
+    NaN outputs). Per block and output column, S = sum_k q xq is exact, and out += (d dx) S, then
+    out += m (dx sum_k xq), each operation rounded once in float32, blocks in k order; the bias last.
+    """
+    if packed.quant != Q4_INT8:
+        raise ValueError(f"linear_int8_reference needs a Q4-times-int8 PackedWeight (quant {Q4_INT8}), "
+                         f"got quant {packed.quant}")
+    n, k = packed.shape
+    n16, nb = -(-n // PANEL), k // BLOCK
+    x = np.asarray(x, np.float32).reshape(-1, nb, BLOCK)  # (M, nb, 32)
+    rec = np.asarray(packed.data).reshape(n16, nb, RECORD_BYTES[Q4_INT8])
+    d = rec[..., :32].copy().view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(n16 * PANEL, nb)[:n]
+    m = rec[..., 32:64].copy().view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(n16 * PANEL, nb)[:n]
+    q = _q4_int8_q(rec).transpose(0, 3, 1, 2).reshape(n16 * PANEL, nb, BLOCK)[:n].astype(np.int32)
+    with np.errstate(all="ignore"):
+        amax = np.max(np.abs(x), axis=-1)  # (M, nb); NaN propagates
+        dx = amax / np.float32(127)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+        r = np.rint(x * inv[..., None])
+        r = np.where(np.isnan(r), 0, np.clip(r, -127, 127)).astype(np.int32)
+        sx = dx * r.sum(-1).astype(np.float32)
+        s = np.einsum("mbk,nbk->mnb", r, q).astype(np.float32)  # exact: |S| <= 32 * 15 * 127
+        out = np.zeros((x.shape[0], n), np.float32)
+        for b in range(nb):
+            out = out + (d[None, :, b] * dx[:, None, b]) * s[:, :, b]
+            out = out + m[None, :, b] * sx[:, None, b]
+        if bias is not None:
+            out = out + np.asarray(bias, np.float32)
+    return out

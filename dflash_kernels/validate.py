@@ -87,6 +87,10 @@ def _checks(seed: int) -> list[Check]:
                     packed = dk.pack_quantized(rows)
                     checks.append(Check(f"linear {qtype} blocks {m}x{k}->{n}",
                                         lambda b, a=(x, packed): dk.linear(*a, backend=b)))
+                    if qtype == "Q4_1":  # times int8 activations: one arithmetic, the same bits everywhere
+                        int8 = dk.pack_quantized(rows, activations="int8")
+                        checks.append(Check(f"linear {qtype} blocks x int8 {m}x{k}->{n}",
+                                            lambda b, a=(x, int8): dk.linear(*a, backend=b), exact=True))
         x, w = f(16, 4096), _store(1 + f(4096, s=0.1), dt)
         checks.append(Check(f"rms_norm {dt} 16x4096", lambda b, a=(x, w): dk.rms_norm(*a, 1e-6, backend=b)))
         gu = _store(f(16, 2 * 3072), dt)

@@ -486,7 +486,11 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
     "float32" (exact; parity with a float32 reference); or "blocks": Q4_0 / Q4_1 / Q8_0 matmul weights
     (projections, embedding, LM head) stay in their blocks (5 / 8.5 bits a weight, computed exactly
-    as their float32 expansion, dflash_kernels.quant), other quantized tensors in bf16.
+    as their float32 expansion, dflash_kernels.quant), other quantized tensors in bf16; or
+    "blocks-int8": the same blocks, Q4 ones multiplied as llama.cpp does (each activation row rounded
+    to int8 per block of 32, integer dot products: several rows at the cost of about one, so DFlash
+    verification and prefill are much cheaper; values within about 1% of the exact ones, the
+    precision setting aside: docs/kernels.md).
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).

@@ -33,9 +33,10 @@ from dflash_kernels.quant import BLOCK_BYTES, QuantizedRows
 from .weights import WeightsError
 
 # what a GGUF's quantized tensors become (read_gguf's dtype, load's gguf_dtype)
-GGUF_DTYPES = ("bfloat16", "float32", "blocks")
-# the matmul weights (the layers' projections, the embedding / LM head), which dtype "blocks" keeps
-# in their blocks (an embedding lookup expands its rows exactly)
+GGUF_DTYPES = ("bfloat16", "float32", "blocks", "blocks-int8")
+# the matmul weights (the layers' projections, the embedding / LM head), which dtypes "blocks" and
+# "blocks-int8" keep in their blocks (an embedding lookup expands its rows exactly); "blocks-int8"
+# multiplies Q4 blocks with int8 activations (dflash_kernels.quant.pack_quantized)
 _MATMULS = tuple(f"{n}_proj.weight" for n in ("q", "k", "v", "o", "gate", "up", "down")) + \
     ("embed_tokens.weight", "lm_head.weight")
 
@@ -109,7 +110,8 @@ def is_gguf(path) -> bool:
 def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: bool = True) -> GGUFCheckpoint:
     """Read a GGUF checkpoint (see the module docstring). dtype: what quantized tensors are expanded
     to, "float32" or "bfloat16", or "blocks" (Q4_0 / Q4_1 / Q8_0 matmul weights kept as
-    ``QuantizedRows``, the rest in bf16); F32 / F16 / BF16 tensors keep their own type (memory-mapped,
+    ``QuantizedRows``, the rest in bf16), or "blocks-int8" (the same, their Q4 blocks to be multiplied
+    with int8 activations: ``QuantizedRows.activations``); F32 / F16 / BF16 tensors keep their own type (memory-mapped,
     or copied into memory with mmap=False)."""
     import gguf
 
@@ -210,7 +212,7 @@ def _config(meta: _Metadata, arch: str, reader) -> dict:
 def _in_memory(v):
     """v with its values copied out of the file mapping (an array whose base is the mapping)."""
     if isinstance(v, QuantizedRows):
-        return v if v.blocks.base is None else QuantizedRows(np.array(v.blocks), v.qtype)
+        return v if v.blocks.base is None else QuantizedRows(np.array(v.blocks), v.qtype, v.activations)
     return v if v.base is None else np.array(v)
 
 
@@ -237,8 +239,10 @@ def _tensors(reader, path: Path, arch: str, cfg: dict, dtype: str):
                 arr = np.asarray(t.data).view(np.float16).reshape(shape)
             elif t.tensor_type == Q.BF16:
                 arr = np.asarray(t.data).view(np.uint16).reshape(shape)
-            elif dtype == "blocks" and t.tensor_type.name in BLOCK_BYTES and name.endswith(_MATMULS):
+            elif dtype.startswith("blocks") and t.tensor_type.name in BLOCK_BYTES and name.endswith(_MATMULS):
                 arr = QuantizedRows.from_bytes(t.data, shape, t.tensor_type.name)
+                if dtype == "blocks-int8":
+                    arr.activations = "int8"
             else:
                 full = quants.dequantize(t.data, t.tensor_type).reshape(shape)
                 arr = np.ascontiguousarray(full, np.float32) if dtype == "float32" else f32_to_bf16(full)
@@ -249,7 +253,7 @@ def _tensors(reader, path: Path, arch: str, cfg: dict, dtype: str):
             if shape[0] % (2 * heads):
                 raise WeightsError(f"{where}: {shape[0]} rows do not split into {heads} heads of even size")
             if isinstance(arr, QuantizedRows):  # whole rows of blocks move
-                arr = QuantizedRows(np.ascontiguousarray(_unpermute(arr.blocks, heads)), arr.qtype)
+                arr = QuantizedRows(np.ascontiguousarray(_unpermute(arr.blocks, heads)), arr.qtype, arr.activations)
             else:
                 arr = np.ascontiguousarray(_unpermute(arr, heads))
         if name in tensors:

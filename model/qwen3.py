@@ -12,12 +12,16 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_kernels import f32_to_bf16
+from dflash_kernels.dense import Q4_INT8
 from dflash_kernels.layers import Qwen3Layer
 
 from ._ops import Ops
 from ._target import TargetBase
 from .config import Qwen3Config
 from .weights import as_f32, concat_rows
+
+# int8-activation blocks: verification blocks up to this many rows attend row by row (pyx/layers.pxi)
+ROW_EXACT_ROWS = 32
 
 
 def qwen3_layer_shapes(prefix: str, cfg) -> dict[str, tuple]:
@@ -198,6 +202,10 @@ class Qwen3Model(TargetBase):
         def attend(li, L, q, k, v):
             cache.write(li, start, k, v)
             end = start + T
+            if L.quant == Q4_INT8 and 1 < T <= ROW_EXACT_ROWS:  # as the fused layer: each row as its decode step
+                return np.concatenate([ops.cached_attention(q[t : t + 1], cache.k[li, : start + t + 1],
+                                                            cache.v[li, : start + t + 1], window=L.window)
+                                       for t in range(T)])
             return ops.cached_attention(q, cache.k[li, :end], cache.v[li, :end], window=L.window)  # (T, Hq, D)
 
         taps = self._tap_slot if tap_out is not None else ()

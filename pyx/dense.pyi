@@ -13,6 +13,7 @@ Weights = npt.NDArray[np.float32] | npt.NDArray[np.uint16]
 Packed = Weights | npt.NDArray[np.uint8]  # uint8: GGUF blocks in panels (pyx/dk_quant.h), format `quant`
 
 TIER: str
+ROW_EXACT_ROWS: int  # qwen3_layer over int8-activation blocks (quant 4): blocks up to this many rows attend row by row
 
 def set_bf16dot_enabled(enabled: bool | None) -> bool | None: ...
 def bf16dot_pays() -> bool: ...

@@ -36,7 +36,7 @@ float32 sums. K is a multiple of 32 (a GGUF row is whole blocks). */
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
 
-enum { DK_Q4 = 2, DK_Q8 = 3 };  /* linear_packed's weight formats after float32 (0) and bf16 (1) */
+enum { DK_Q4 = 2, DK_Q8 = 3, DK_Q4X = 4 };  /* linear_packed's weight formats after float32 (0) and bf16 (1); DK_Q4X: Q4 blocks x int8 activations (below) */
 #define DK_Q_BLOCK 32
 #define DK_Q_VPP (DK_PK_COLS / DK_VW)  /* vectors per panel row */
 #if DK_VW == 16
@@ -56,7 +56,7 @@ enum { DK_Q4 = 2, DK_Q8 = 3 };  /* linear_packed's weight formats after float32 
 #define DK_Q_KB (DK_PK_KC / DK_Q_BLOCK)  /* blocks per chunk: the float32 tiles' K chunk */
 
 
-static inline long dk_q_block_bytes(int fmt) { return fmt == DK_Q4 ? 64 + 256 : 32 + 512; }
+static inline long dk_q_block_bytes(int fmt) { return fmt == DK_Q8 ? 32 + 512 : 64 + 256; }  /* Q4, Q4X: 320 */
 static inline long dk_q_panel_bytes(long K, int fmt) { return K / DK_Q_BLOCK * dk_q_block_bytes(fmt); }
 /* Panels per work item: the GEMV tile's, the direct tile's, or (M > DK_Q_MR) the float32 tile's */
 static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : (M >= DK_Q_EXPAND_ROWS ? DK_PK_NV : DK_Q_NV); }
@@ -260,6 +260,195 @@ static void dk_q_run(long M, long K, long N, long plo, long phi, int fmt, const 
         }
     }
 }
+
+/* ---- Q4 blocks times int8 activations (format DK_Q4X): llama.cpp's arithmetic, integer dot products ----
+
+Why: the float tiles above expand every weight (about 3.5 vector ops per 16 weights) and are bound by
+that arithmetic from two rows on, so a verification of k + 1 rows costs much more than a decode step
+although it streams the same bytes. Here each row's x is quantized per block of 32 k to int8 (xq =
+rint(x 127 / amax), dx = amax / 127: llama.cpp's Q8 activations), and a block's sum over k is an
+integer dot product of the 4-bit q with xq (vpdpbusd: 4 products a lane, or vpmaddubsw + vpmaddwd
+where the tier has no VNNI: the same integers). Per block and column:
+    out += (d dx) S + m sx,   S = sum_k q xq (exact int32), sx = dx sum_k xq,
+each product and sum rounded once in float32, blocks in k order, the bias after. Every row is
+computed alone the same way whatever M, the thread count or the tier (lossless verification needs
+it); the numpy reference (dflash_kernels/quant.py) computes the same bits. Not the float32 expansion's
+values: the activations are rounded to about 8 bits (see docs/kernels.md).
+
+Layout (the record of one block of one panel, 320 bytes like DK_Q4's): d[16] float16, m[16] float16,
+then 4 groups of 8 k: group g is 64 bytes, 4 per column j: byte i = q[8g + i] | q[8g + 4 + i] << 4,
+so that one 32-bit lane holds 4 consecutive k of its column, low nibbles then high. */
+#if DK_VW == 16
+#define DK_QX_MR 6  /* 6 rows x 1 panel: 12 int (two chains a row) + 6 float accumulators, 2 weights */
+#define DK_QX_NV 1
+#define DK_QX_GV 4  /* M = 1: 4 panels a tile */
+#define DK_QX_CH 2  /* int32 chains per accumulator: the low and the high nibbles' products apart */
+#else
+#define DK_QX_MR 2  /* 2 rows x 1 panel (2 ymm): 4 int + 4 float accumulators of 16 ymm */
+#define DK_QX_NV 1
+#define DK_QX_GV 2
+#define DK_QX_CH 1
+#endif
+#define DK_QX_NVMAX (DK_QX_GV > DK_QX_NV ? DK_QX_GV : DK_QX_NV)
+
+static inline long dk_qx_group(long M) { return M == 1 ? DK_QX_GV : DK_QX_NV; }
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  /* every product and sum rounded once, as numpy does */
+
+/* Rows of x (M, K; row stride ldx) as int8 per block of 32 k: xq (M, K), dx and sx (M, K / 32). A
+   block of zeros gets dx = 0; a non-finite one a non-finite dx (its outputs are then NaN). */
+static void dk_qx_quantize(long M, long K, const float *x, long ldx, int8_t *xq, float *dx, float *sx) {
+    const long nb = K / DK_Q_BLOCK;
+    enum { NV = DK_Q_BLOCK / DK_VW };  /* vectors per block */
+    for (long i = 0; i < M; i++)
+        for (long b = 0; b < nb; b++) {
+            const float *xb = x + i * ldx + b * DK_Q_BLOCK;
+            dk_vf v[NV];
+            dk_vi mx = (dk_vi){0}, nan = (dk_vi){0};
+            for (int u = 0; u < NV; u++) {
+                v[u] = dk_load(xb + u * DK_VW);
+                dk_vi a = (dk_vi)v[u] & 0x7FFFFFFF;  /* |x| as bits: ordered like the values */
+                nan |= (dk_vi)(v[u] != v[u]);
+                dk_vi gt = a > mx;
+                mx = (a & gt) | (mx & ~gt);
+            }
+            int32_t amax_bits = 0, any_nan = 0;
+            for (int l = 0; l < DK_VW; l++) {
+                amax_bits = mx[l] > amax_bits ? mx[l] : amax_bits;
+                any_nan |= nan[l];
+            }
+            float amax;
+            memcpy(&amax, &amax_bits, 4);
+            if (any_nan) amax = __builtin_nanf("");
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dk_vi sum = (dk_vi){0};
+            for (int u = 0; u < NV; u++) {
+                dk_vf r = v[u] * inv;
+#if DK_VW == 16
+                r = (dk_vf)_mm512_roundscale_ps((__m512)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+                r = (dk_vf)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+                r = (dk_vf)((dk_vi)r & (dk_vi)(r == r));  /* NaN (a non-finite block) -> 0 */
+                dk_vi hi = r > 127.0f, lo = r < -127.0f;
+                r = (dk_vf)(((dk_vi)r & ~(hi | lo)) | ((dk_vi)((dk_vf){0} + 127.0f) & hi) |
+                            ((dk_vi)((dk_vf){0} - 127.0f) & lo));
+                dk_vi q = __builtin_convertvector(r, dk_vi);
+                sum += q;
+                for (int l = 0; l < DK_VW; l++) xq[i * K + b * DK_Q_BLOCK + u * DK_VW + l] = (int8_t)q[l];
+            }
+            int s = 0;
+            for (int l = 0; l < DK_VW; l++) s += sum[l];
+            dx[i * nb + b] = d;
+            sx[i * nb + b] = d * (float)s;
+        }
+}
+
+/* acc (int32 lanes) += 4-byte dot products of u (unsigned bytes) and s (signed bytes) */
+DK_AI dk_vi dk_qx_dot(dk_vi acc, dk_vi u, dk_vi s) {
+#if DK_VW == 16 && defined(__AVX512VNNI__)
+    return (dk_vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#elif DK_VW == 16
+    __m512i p = _mm512_maddubs_epi16((__m512i)u, (__m512i)s);  /* 15 * 127 * 2: never saturates */
+    return acc + (dk_vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+#else
+    __m256i p = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+    return acc + (dk_vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+
+/* One tile: rows [0, mr) (xq row stride K) times panels [0, nv) of P over every block, into out
+   (row stride ldo; the first ncols <= nv * 16 columns), the bias added after. */
+DK_AI void dk_qx_tile(const int mr, const int nv, long nblk, long K, const int8_t *xq, const float *dx,
+                      const float *sx, const uint8_t *P, long pstride, const float *bias, float *out, long ldo,
+                      long ncols) {
+    dk_vf acc[DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
+    const int nvec = nv * DK_Q_VPP;
+    const dk_vi low = (dk_vi){0} + 0x0F0F0F0F;
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
+    for (long b = 0; b < nblk; b++) {
+        /* integer sums are exact in any order: DK_QX_CH chains hide vpdpbusd's latency */
+        dk_vi s[DK_QX_CH][DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
+        const uint8_t *blk[DK_QX_NVMAX * DK_Q_VPP];
+        for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * (64 + 256);  /* the record */
+        for (int c = 0; c < DK_QX_CH; c++)
+            for (int i = 0; i < mr; i++)
+                for (int v = 0; v < nvec; v++) s[c][i][v] = (dk_vi){0};
+        for (int g = 0; g < 4; g++) {
+            dk_vi lo[DK_QX_NVMAX * DK_Q_VPP], hi[DK_QX_NVMAX * DK_Q_VPP];
+            for (int v = 0; v < nvec; v++) {
+                dk_vi u;
+                memcpy(&u, blk[v] + 64 + g * 64 + (v % DK_Q_VPP) * 4 * DK_VW, sizeof u);
+                lo[v] = u & low;
+                hi[v] = (dk_vi)((dk_vu)u >> 4) & low;  /* each byte's high nibble, as a logical shift */
+            }
+            for (int i = 0; i < mr; i++) {
+                int32_t a, c;
+                memcpy(&a, xq + i * K + b * DK_Q_BLOCK + 8 * g, 4);
+                memcpy(&c, xq + i * K + b * DK_Q_BLOCK + 8 * g + 4, 4);
+                const dk_vi xa = (dk_vi){0} + a, xc = (dk_vi){0} + c;
+                for (int v = 0; v < nvec; v++) {
+                    s[0][i][v] = dk_qx_dot(s[0][i][v], lo[v], xa);
+                    s[DK_QX_CH - 1][i][v] = dk_qx_dot(s[DK_QX_CH - 1][i][v], hi[v], xc);
+                }
+            }
+        }
+        for (int v = 0; v < nvec; v++) {
+            const dk_vf d = dk_q_f16(blk[v] + (v % DK_Q_VPP) * 2 * DK_VW);
+            const dk_vf m = dk_q_f16(blk[v] + 32 + (v % DK_Q_VPP) * 2 * DK_VW);
+            for (int i = 0; i < mr; i++) {
+                const dk_vi si = DK_QX_CH == 2 ? s[0][i][v] + s[DK_QX_CH - 1][i][v] : s[0][i][v];
+                const dk_vf ddx = d * dx[i * nblk + b];
+                acc[i][v] = acc[i][v] + ddx * __builtin_convertvector(si, dk_vf);
+                acc[i][v] = acc[i][v] + m * sx[i * nblk + b];
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) dk_pk_store_row(acc[i], nvec, out + i * ldo, ncols, 1, bias);
+}
+
+static void dk_qx_tile_any(int mr, int nv, long nblk, long K, const int8_t *xq, const float *dx, const float *sx,
+                           const uint8_t *P, long pstride, const float *bias, float *out, long ldo, long ncols) {
+#define DK_QX_T(MR_, NV_) dk_qx_tile(MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols)
+    if (mr == 1) {
+#if DK_QX_GV == 4
+        if (nv == 4) DK_QX_T(1, 4); else if (nv == 3) DK_QX_T(1, 3); else if (nv == 2) DK_QX_T(1, 2); else DK_QX_T(1, 1);
+#else
+        if (nv == 2) DK_QX_T(1, 2); else DK_QX_T(1, 1);
+#endif
+        return;
+    }
+    switch (mr) {
+    case 2: DK_QX_T(2, 1); break;
+#if DK_QX_MR > 2
+    case 3: DK_QX_T(3, 1); break;
+    case 4: DK_QX_T(4, 1); break;
+    case 5: DK_QX_T(5, 1); break;
+    default: DK_QX_T(6, 1);
+#endif
+    }
+#undef DK_QX_T
+}
+
+/* out[:, 16 plo : 16 phi] (clipped to N) = the DK_Q4X product of the quantized rows (dk_qx_quantize)
+   and panels [plo, phi) of P, dk_qx_group(M) panels at a time, every row tile over each group. */
+static void dk_qx_run(long M, long K, long N, long plo, long phi, const int8_t *xq, const float *dx,
+                      const float *sx, const uint8_t *P, const float *bias, float *out) {
+    const long nblk = K / DK_Q_BLOCK, pstride = nblk * (64 + 256), gp = dk_qx_group(M);
+    for (long p0 = plo; p0 < phi; p0 += gp) {
+        int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
+        long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
+        for (long i0 = 0; i0 < M; i0 += DK_QX_MR) {
+            int mr = M - i0 < DK_QX_MR ? (int)(M - i0) : DK_QX_MR;
+            dk_qx_tile_any(mr, nv, nblk, K, xq + i0 * K, dx + i0 * nblk, sx + i0 * nblk, P + p0 * pstride, pstride,
+                           bias ? bias + c0 : NULL, out + i0 * N + c0, N, ncols);
+        }
+    }
+}
+
+#pragma GCC pop_options
 
 #pragma GCC pop_options
 

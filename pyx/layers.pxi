@@ -10,6 +10,13 @@ acquisition and the output allocation (~5-15 us each, ~14 ops per layer); one ma
 intermediate of the layer.
 """
 
+# A block of at most this many rows over int8-activation weights (DK_Q4X: a DFlash verification)
+# attends row by row (qwen3_layer); model/qwen3.py's composed path reads the bound as ROW_EXACT_ROWS.
+cdef enum:
+    _ROW_EXACT_ROWS = 32
+ROW_EXACT_ROWS = _ROW_EXACT_ROWS
+
+
 ctypedef fused ctype:  # KV cache storage
     float
     unsigned short  # bf16 bit patterns
@@ -92,7 +99,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     the caches are the injected context, the rows' own K/V are attended to but not stored, and
     `causal` says whether a row sees the rows after it. window > 0: only the last `window` positions.
     finite_mask: bit i set when weight i (qkv, o, gate_up, down) is finite (PackedWeight.finite).
-    quant: the format of byte weights (GGUF blocks, dk_quant.h: DK_Q4 or DK_Q8), the same for all four.
+    quant: the format of byte weights (GGUF blocks, dk_quant.h: DK_Q4, DK_Q8 or DK_Q4X), the same for all four.
     A Qwen3.5 gated full-attention layer: norm_offset 1 (every norm x (1 + w)), output_gate (Wq's
     rows per head [query | gate], attention output times sigmoid(gate) before o_proj) and rotary_dim
     < head_dim (RoPE on the first dims only; 0 = head_dim). The caller validates shapes (layers.py)."""
@@ -188,13 +195,23 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                 else:
                     memcpy(<float *> kc + (start + t) * kvd, kb + t * kvd, kvd * sizeof(float))
                     memcpy(<float *> vc + (start + t) * kvd, src, kvd * sizeof(float))
-            if append:
+            if append and bf16 == DK_Q4X and T <= _ROW_EXACT_ROWS:
+                # int8 activations round each row afresh, so a verification row must give the bits
+                # of the decode step at its position: each row alone over its own keys, as that
+                # step computes it (the tiled block path sums in another order)
+                rc = 0
+                for t in range(T):
+                    _problem_init(&P, kc, vc, kv_bf16, start + t + 1, kc, vc, kv_bf16, 0, 1, Hq, Hkv, D, start + t,
+                                  window, 1, <float> (D ** -0.5), parts, _dp_pays == 1, amx)
+                    rc = rc | _attend_run(&P, q + t * qd, att + t * qd, n_threads)
+            elif append:
                 _problem_init(&P, kc, vc, kv_bf16, end, kc, vc, kv_bf16, 0, T, Hq, Hkv, D, start, window, 1,
                               <float> (D ** -0.5), parts, _dp_pays == 1, amx)
             else:
                 _problem_init(&P, kc, vc, kv_bf16, start, kb, vb, 0, T, T, Hq, Hkv, D, start, window, causal,
                               <float> (D ** -0.5), parts, _dp_pays == 1, amx)
-            rc = _attend_run(&P, q, att, n_threads)
+            if not (append and bf16 == DK_Q4X and T <= _ROW_EXACT_ROWS):
+                rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()
         if output_gate:  # as apply_output_gate: o * sigmoid(gate), the gate beside each query head

@@ -16,7 +16,7 @@ from support import MACHINE_TIERS
 pytestmark = pytest.mark.skipif("cython" not in dk.available_backends(), reason="tiers are the Cython build's")
 
 FLAGS_ZEN2 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
-FLAGS_ZEN4 = FLAGS_ZEN2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+FLAGS_ZEN4 = FLAGS_ZEN2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
 FLAGS_SPR = FLAGS_ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
@@ -27,6 +27,7 @@ FLAGS_SPR = FLAGS_ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
     (FLAGS_ZEN4, ("avx2", "avx512", "avx512_bf16")),
     (FLAGS_SPR, _isa.TIERS),
     (FLAGS_SPR - {"avx512_bf16"}, ("avx2", "avx512")),  # tiers are cumulative
+    (FLAGS_ZEN4 - {"avx512_vnni"}, ("avx2", "avx512")),  # the avx512_bf16 tier's int8 tiles use vpdpbusd
 ])
 def test_tiers_from_cpu_flags(flags, tiers):
     assert _isa.tier_tuple(flags) == tiers

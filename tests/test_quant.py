@@ -1,7 +1,10 @@
 """GGUF blocks kept as they are (dflash_kernels.quant, pyx/dk_quant.h): the blocks' values against an
 independent dequantizer, the panel layout's round trip, linear and the fused layer bit-identical to
 their float32 expansion on every tier, M, thread count and precision, a GGUF model loaded with
-gguf_dtype="blocks" (lossless DFlash, parity with transformers), and clear errors."""
+gguf_dtype="blocks" (lossless DFlash, parity with transformers), and clear errors. Q4 blocks times int8
+activations (pack_quantized(..., activations="int8"), gguf_dtype="blocks-int8"): the kernels against
+their numpy reference bit for bit on every tier and backend, rows independent of M, close to the
+exact product, and a model on them lossless."""
 
 import json
 
@@ -12,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 import dflash_kernels as dk
 import dflash_kernels.model as dm
 from checkpoints import write_dflash
-from dflash_kernels.quant import QuantizedRows, pack_quantized
-from support import MACHINE_TIERS, greedy_runs
+from dflash_kernels.quant import QuantizedRows, linear_int8_reference, pack_quantized
+from support import ALL_BACKENDS, MACHINE_TIERS, greedy_runs
 
 gguf = pytest.importorskip("gguf")
 from test_gguf import Q, ref_dequantize, tiny, write_gguf  # noqa: E402  (gguf needed first)
@@ -150,3 +153,101 @@ def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
     np.testing.assert_array_equal(c, a)
     with pytest.raises(ValueError, match="dtype must be one of"):
         dm.load(path, gguf_dtype="q4")
+
+
+# -- Q4 blocks times int8 activations -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_activation_panels_hold_the_same_weights(qtype):
+    rows, raw = rows_of(np.random.default_rng(5), 37, 96, qtype)
+    packed = pack_quantized(rows, activations="int8")
+    assert packed.quant == (3 if qtype == "Q8_0" else 4)  # Q8_0 blocks keep float activations
+    assert packed.data.size == 3 * 3 * (544 if qtype == "Q8_0" else 320)  # the same bytes as the exact panels
+    np.testing.assert_array_equal(packed.unpack(), ref_dequantize(raw, getattr(Q, qtype)))
+    if qtype != "Q8_0":
+        assert repr(packed) == "PackedWeight(shape=(37, 96), dtype=q4-int8)"
+    rows.activations = "int8"  # the rows' own default, as gguf_dtype="blocks-int8" sets it
+    assert pack_quantized(rows).quant == packed.quant and pack_quantized(rows, activations="float").quant != 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(["Q4_0", "Q4_1"]), n=st.integers(1, 70), kb=st.integers(1, 20), m=st.integers(1, 20),
+       tier=st.sampled_from(MACHINE_TIERS), threads=st.sampled_from([1, 2, 3]), with_bias=st.booleans(),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
+def test_int8_activations_give_the_reference_bits_on_every_tier(qtype, n, kb, m, tier, threads, with_bias, scale,
+                                                                 seed):
+    rng = np.random.default_rng(seed)
+    rows, _ = rows_of(rng, n, 32 * kb, qtype)
+    x = (rng.standard_normal((m, 32 * kb)) * scale).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: dx = 0
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    packed = pack_quantized(rows, activations="int8")
+    dk.set_isa(tier)
+    try:
+        got = dk.linear(x, packed, bias, n_threads=threads)
+        one = dk.linear(x[-1:], packed, bias, n_threads=1)
+    finally:
+        dk.set_isa(None)
+    np.testing.assert_array_equal(got, linear_int8_reference(x, packed, bias))
+    np.testing.assert_array_equal(one[0], got[-1])  # a row's result does not depend on the others
+    # int8 activations: each x off by at most half a step of its block's amax / 127
+    w = rows.dequantize()
+    exact = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if bias is None else bias)
+    step = np.abs(x.reshape(m, kb, 32)).max(-1) / 127  # (m, kb)
+    bound = 0.5 * (step[:, None, :] * np.abs(w.reshape(n, kb, 32)).sum(-1)[None]).sum(-1)  # (m, n)
+    assert (np.abs(got - exact) <= bound * 1.01 + 1e-5 * (np.abs(exact) + 1)).all()
+
+
+def test_int8_activations_agree_on_every_backend():
+    rng = np.random.default_rng(6)
+    rows, _ = rows_of(rng, 40, 128, "Q4_1")
+    rows.activations = "int8"
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    outs = {b: dk.linear(x, dk.prepare_weight(rows, backend=b), backend=b) for b in ALL_BACKENDS}
+    for b, out in outs.items():
+        np.testing.assert_array_equal(out, outs[ALL_BACKENDS[0]], err_msg=b)
+
+
+def test_int8_activations_with_non_finite_x_give_nan_rows():
+    rng = np.random.default_rng(7)
+    packed = pack_quantized(rows_of(rng, 20, 64, "Q4_1")[0], activations="int8")
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 5], x[2, 40] = np.nan, np.inf
+    got = dk.linear(x, packed)
+    assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
+    np.testing.assert_array_equal(got, linear_int8_reference(x, packed))
+
+
+def test_int8_activations_bad_values_give_clear_errors():
+    rows = rows_of(np.random.default_rng(8), 4, 32, "Q4_1")[0]
+    with pytest.raises(ValueError, match="activations must be one of"):
+        pack_quantized(rows, activations="int4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        QuantizedRows(rows.blocks, "Q4_1", "fp8")
+    other = QuantizedRows(rows.blocks, "Q4_1", "int8")
+    with pytest.raises(ValueError, match="activations"):
+        QuantizedRows.concat([rows, other])
+    with pytest.raises(ValueError, match="Q4-times-int8"):
+        linear_int8_reference(np.ones((1, 32), np.float32), pack_quantized(rows))
+
+
+def test_a_gguf_model_run_with_int8_activations(tmp_path):
+    cfg, tensors = tiny()
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=Q.Q4_1)
+    hf_dir = tmp_path / "cfg"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
+    int8 = dm.load(path, drafter, gguf_dtype="blocks-int8", max_len=128)
+    assert int8.target.layers[0].quant == 4 and int8.target.fused_layers
+    for ar, sd in greedy_runs(int8):  # lossless: verification rows give the bits of decode steps
+        assert sd.token_ids == ar.token_ids
+    prompt = [5, 17, 2, 99, 31, 64, 7]
+    a, _ = int8.target.prefill(prompt, int8.target.new_cache(64))
+    unfused = dm.load(path, gguf_dtype="blocks-int8", fuse_weights=False, max_len=64)  # the single ops
+    c, _ = unfused.target.prefill(prompt, unfused.target.new_cache(64))
+    np.testing.assert_array_equal(c, a)
+    exact = dm.load(path, gguf_dtype="float32", max_len=64)
+    b, _ = exact.target.prefill(prompt, exact.target.new_cache(64))
+    np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * np.abs(b).max())
