@@ -71,7 +71,7 @@ def silu_and_mul(gate_up: Array, *, n_threads: int | None = None, backend: str =
 
 
 PANEL = 16  # output columns per panel of a packed weight (pyx/dk_packed.h)
-Q4_INT8 = 4  # PackedWeight.quant of Q4 blocks times int8 activations (dflash_kernels.quant, pyx/dk_quant.h)
+Q4_INT8, Q8_INT8 = 4, 5  # PackedWeight.quant of Q4 / Q8_0 blocks times int8 activations (dflash_kernels.quant)
 
 
 class PackedWeight:
@@ -88,7 +88,8 @@ class PackedWeight:
     uint8 for GGUF blocks); ``data``, the packed values (1-D, read-only); ``nbytes``; ``finite``,
     whether every weight is finite (infinite weights keep linear on the FMA tiles: IEEE x * inf, see
     ``linear_packed``); ``quant``, 0, or the format of GGUF blocks kept as they are
-    (``dflash_kernels.quant.pack_quantized``: 2 for Q4_0 / Q4_1, 3 for Q8_0).
+    (``dflash_kernels.quant.pack_quantized``: 2 for Q4_0 / Q4_1, 3 for Q8_0; 4 and 5 for the same times
+    int8 activations).
     """
 
     __slots__ = ("shape", "dtype", "data", "finite", "quant")
@@ -266,7 +267,7 @@ def prepare_weight(weight: Array, *, backend: str = "auto") -> PackedWeight | Ar
 
     if isinstance(weight, QuantizedRows):  # GGUF blocks: run as they are where Cython runs
         cython = resolve(backend, "dense")[0] == "cython"
-        int8 = weight.activations == "int8" and weight.qtype != "Q8_0"  # computed as such on every backend
+        int8 = weight.activations == "int8"  # computed as such on every backend
         return pack_quantized(weight) if (cython or int8) and weight.blocks.size else weight.dequantize()
     w = float_array(weight, "weight", ndim=2)
     if resolve(backend, "dense")[0] != "cython" or not w.size:
@@ -359,7 +360,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, *, precision: str
             if name == "cython":
                 mod.linear_packed(x2, packed.data, b, out, n_threads=nt, parts=parts, weights_finite=packed.finite,
                                   quant=packed.quant)
-            elif packed.quant == Q4_INT8:  # the kernels' int8 arithmetic, bit for bit
+            elif packed.quant in (Q4_INT8, Q8_INT8):  # the kernels' int8 arithmetic, bit for bit
                 from .quant import linear_int8_reference
 
                 out[...] = linear_int8_reference(x2, packed, b)

@@ -17,15 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from ._tensors import hugepage_empty
-from .dense import Q4_INT8, PackedWeight
+from .dense import Q4_INT8, Q8_INT8, PackedWeight
 
 BLOCK = 32  # weights per GGUF block (K is a multiple of it)
 PANEL = 16  # output columns per panel (pyx/dk_quant.h)
 # bytes of one GGUF block, and the kernels' format code (pyx/dk_quant.h: DK_Q4, DK_Q8)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 FORMAT = {"Q4_0": 2, "Q4_1": 2, "Q8_0": 3}
-FORMAT_NAMES = {2: "q4", 3: "q8", 4: "q4-int8"}
-RECORD_BYTES = {2: 64 + 256, 3: 32 + 512, 4: 64 + 256}  # one block of one panel (16 columns)
+FORMAT_NAMES = {2: "q4", 3: "q8", 4: "q4-int8", 5: "q8-int8"}
+RECORD_BYTES = {2: 64 + 256, 3: 32 + 512, 4: 64 + 256, 5: 64 + 512}  # one block of one panel (16 columns)
 ACTIVATIONS = ("float", "int8")
 
 
@@ -33,7 +33,7 @@ class QuantizedRows:
     """A linear weight (N, K) as GGUF blocks: ``blocks`` (N, K / 32, bytes per block) uint8, ``qtype``
     "Q4_0", "Q4_1" or "Q8_0". Rows can be stacked (``concat``) and reordered (``take``) without
     touching the values; ``dequantize`` gives the exact float32 weights. ``activations``: what
-    ``pack_quantized`` multiplies Q4 blocks with by default, "float" (exact) or "int8"."""
+    ``pack_quantized`` multiplies the blocks with by default, "float" (exact) or "int8"."""
 
     __slots__ = ("blocks", "qtype", "activations")
     ndim = 2
@@ -136,7 +136,7 @@ def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> Packe
 
     Makes one copy. The Cython tiers run the result as it is (``linear`` on any other backend expands
     it to its float32 values); results are bit-identical to ``pack_weight(rows.dequantize())``.
-    With ``activations="int8"``, Q4 blocks are instead multiplied as llama.cpp does: each row of x
+    With ``activations="int8"``, the blocks are instead multiplied as llama.cpp does: each row of x
     rounded to int8 per block of 32 k, integer dot products, one float scale per block
     (``linear_int8_reference`` gives the same bits); faster where several rows share the weights
     (verification, prefill), and no longer the float32 expansion's values.
@@ -146,14 +146,13 @@ def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> Packe
     rows : QuantizedRows
         A weight (N, K) as Q4_0, Q4_1 or Q8_0 blocks (``QuantizedRows.from_bytes`` of a GGUF tensor).
     activations : {"float", "int8"}, optional
-        What Q4 blocks multiply: float32 activations exactly, or int8 ones. Default: rows.activations.
-        Q8_0 blocks always take float activations.
+        What the blocks multiply: float32 activations exactly, or int8 ones. Default: rows.activations.
 
     Returns
     -------
     PackedWeight
-        Shape (N, K), dtype uint8, ``quant`` 2 (Q4_0 / Q4_1, 5 bits a weight), 3 (Q8_0, 8.5 bits) or 4
-        (Q4_0 / Q4_1 times int8 activations).
+        Shape (N, K), dtype uint8, ``quant`` 2 (Q4_0 / Q4_1, 5 bits a weight), 3 (Q8_0, 8.5 bits), 4
+        (Q4_0 / Q4_1 times int8 activations) or 5 (Q8_0 times int8 activations, 9 bits).
 
     Raises
     ------
@@ -182,8 +181,8 @@ def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> Packe
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     n, k = rows.shape
     fmt, nb = FORMAT[rows.qtype], k // BLOCK
-    if fmt == 2 and activations == "int8":
-        fmt = Q4_INT8
+    if activations == "int8":
+        fmt = Q4_INT8 if fmt == 2 else Q8_INT8
     n16 = -(-n // PANEL)
     d, m, q = _scales(rows.blocks, rows.qtype)
     if m is not None:  # the panels carry m as float16: Q4_1's is one, Q4_0's -8 d is unless it overflows
@@ -197,7 +196,7 @@ def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> Packe
     rec = hugepage_empty((n16, nb, RECORD_BYTES[fmt]), np.uint8)
     # per panel and block: the 16 columns' d (and m) as float16, then the integers k-major
     rec[..., :32] = d.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
-    if fmt != 3:
+    if fmt in (2, Q4_INT8):
         rec[..., 32:64] = m.reshape(n16, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n16, nb, 32)
     if fmt == 2:
         pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # (N16 * 16, nb, 16): byte p = q[2p] | q[2p + 1] << 4
@@ -206,6 +205,10 @@ def pack_quantized(rows: QuantizedRows, activations: str | None = None) -> Packe
         g = q.reshape(n16, PANEL, nb, 4, 8)
         quads = g[..., :4] | (g[..., 4:] << 4)  # (N16, 16 columns, nb, 4 groups, 4 bytes)
         rec[..., 64:] = quads.transpose(0, 2, 3, 1, 4).reshape(n16, nb, 256)
+    elif fmt == Q8_INT8:  # per column the sum of its q (int16), then per group g of 4 k the column's 4 bytes
+        qs = q.sum(-1, dtype=np.int16).reshape(n16, PANEL, nb).transpose(0, 2, 1)  # (N16, nb, 16)
+        rec[..., 32:64] = np.ascontiguousarray(qs).view(np.uint8).reshape(n16, nb, 32)
+        rec[..., 64:] = q.view(np.uint8).reshape(n16, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(n16, nb, 512)
     else:
         rec[..., 32:] = q.view(np.uint8).reshape(n16, PANEL, nb, BLOCK).transpose(0, 2, 3, 1).reshape(n16, nb, 512)
     data = rec.reshape(-1)
@@ -222,6 +225,8 @@ def unpack_quantized(data: np.ndarray, shape: tuple[int, int], fmt: int) -> np.n
     if fmt == Q4_INT8:
         m = rec[..., 32:64].copy().view(np.float16).astype(np.float32)
         w = d[:, :, None, :] * _q4_int8_q(rec).astype(np.float32) + m[:, :, None, :]
+    elif fmt == Q8_INT8:
+        w = d[:, :, None, :] * _q8_int8_q(rec).astype(np.float32)
     elif fmt == 2:
         m = rec[..., 32:64].copy().view(np.float16).astype(np.float32)
         pairs = rec[..., 64:].reshape(n16, nb, 16, PANEL)
@@ -241,25 +246,36 @@ def _q4_int8_q(rec: np.ndarray) -> np.ndarray:
     return q.transpose(0, 1, 2, 4, 3).reshape(n16, nb, BLOCK, PANEL)
 
 
+def _q8_int8_q(rec: np.ndarray) -> np.ndarray:
+    """The integers (N16, nb, 32 k, 16 columns) of Q8-times-int8 records (N16, nb, 576)."""
+    n16, nb = rec.shape[:2]
+    g = rec[..., 64:].view(np.int8).reshape(n16, nb, 8, PANEL, 4)  # (N16, nb, group, column, k of the group)
+    return g.transpose(0, 1, 2, 4, 3).reshape(n16, nb, BLOCK, PANEL)
+
+
 def linear_int8_reference(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:
-    """``linear`` over a Q4-times-int8 ``PackedWeight`` (quant 4) in numpy: the bits the kernels give
-    (pyx/dk_quant.h, DK_Q4X), for the backends without them and for tests.
+    """``linear`` over blocks times int8 activations (a ``PackedWeight`` of quant 4 or 5) in numpy: the
+    bits the kernels give (pyx/dk_quant.h, DK_Q4X / DK_Q8X), for the backends without them and tests.
 
     Each row of x (M, K) float32 is rounded per block of 32 k: amax = max |x|, dx = amax / 127, xq =
     rint(x 127 / amax) in [-127, 127] (0 where amax is 0; a non-finite block gives dx non-finite and
-    NaN outputs). Per block and output column, S = sum_k q xq is exact, and out += (d dx) S, then
-    out += m (dx sum_k xq), each operation rounded once in float32, blocks in k order; the bias last.
+    NaN outputs). Per block and output column, S = sum_k q xq is exact, and out += (d dx) S, then (Q4
+    only) out += m (dx sum_k xq), each operation rounded once in float32, blocks in k order; the bias
+    last.
     """
-    if packed.quant != Q4_INT8:
-        raise ValueError(f"linear_int8_reference needs a Q4-times-int8 PackedWeight (quant {Q4_INT8}), "
-                         f"got quant {packed.quant}")
+    if packed.quant not in (Q4_INT8, Q8_INT8):
+        raise ValueError(f"linear_int8_reference needs a PackedWeight of blocks times int8 activations (quant "
+                         f"{Q4_INT8} or {Q8_INT8}), got quant {packed.quant}")
+    q8 = packed.quant == Q8_INT8
     n, k = packed.shape
     n16, nb = -(-n // PANEL), k // BLOCK
     x = np.asarray(x, np.float32).reshape(-1, nb, BLOCK)  # (M, nb, 32)
-    rec = np.asarray(packed.data).reshape(n16, nb, RECORD_BYTES[Q4_INT8])
+    rec = np.asarray(packed.data).reshape(n16, nb, RECORD_BYTES[packed.quant])
     d = rec[..., :32].copy().view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(n16 * PANEL, nb)[:n]
-    m = rec[..., 32:64].copy().view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(n16 * PANEL, nb)[:n]
-    q = _q4_int8_q(rec).transpose(0, 3, 1, 2).reshape(n16 * PANEL, nb, BLOCK)[:n].astype(np.int32)
+    m = None if q8 else \
+        rec[..., 32:64].copy().view(np.float16).astype(np.float32).transpose(0, 2, 1).reshape(n16 * PANEL, nb)[:n]
+    q = (_q8_int8_q(rec) if q8 else _q4_int8_q(rec)).transpose(0, 3, 1, 2).reshape(n16 * PANEL, nb, BLOCK)[:n]
+    q = q.astype(np.int32)
     with np.errstate(all="ignore"):
         amax = np.max(np.abs(x), axis=-1)  # (M, nb); NaN propagates
         dx = amax / np.float32(127)
@@ -271,7 +287,8 @@ def linear_int8_reference(x: np.ndarray, packed: PackedWeight, bias: np.ndarray 
         out = np.zeros((x.shape[0], n), np.float32)
         for b in range(nb):
             out = out + (d[None, :, b] * dx[:, None, b]) * s[:, :, b]
-            out = out + m[None, :, b] * sx[:, None, b]
+            if m is not None:
+                out = out + m[None, :, b] * sx[:, None, b]
         if bias is not None:
             out = out + np.asarray(bias, np.float32)
     return out

@@ -31,9 +31,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
                    help="a GGUF target's quantized tensors: expanded to bfloat16 or float32 (exact), or "
                         "blocks: Q4_0 / Q4_1 / Q8_0 matmul weights read as stored, exactly as their "
-                        "float32 values, the rest in bfloat16; blocks-int8: the same, Q4 blocks times "
-                        "int8 activations as llama.cpp computes them (fast verification rows; default: "
-                        "bfloat16)")
+                        "float32 values, the rest in bfloat16; blocks-int8: the same blocks times int8 "
+                        "activations as llama.cpp computes them, the drafter requantized to Q8_0 (fast "
+                        "verification rows; default: bfloat16)")
     p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),
                    help="cap the compiled kernels' ISA tier, as DFLASH_ISA (default: the CPU's best)")
 

@@ -17,7 +17,7 @@ from dflash_kernels.quant import QuantizedRows
 from ._ops import Ops
 from .config import DFlashConfig
 from .qwen3 import composed_layers, qwen3_layer_shapes
-from .weights import as_f32, check_tensors, concat_rows, storage
+from .weights import as_f32, check_tensors, concat_rows, q8_int8_rows, storage
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tuple]:
@@ -51,7 +51,7 @@ class DFlashDrafter:
 
     def __init__(self, cfg: DFlashConfig, tensors: dict, embed: np.ndarray, lm_head: np.ndarray, *,
                  origin: dict | None = None, ops: Ops | None = None, target_hidden: int | None = None,
-                 fuse: bool = True, where: str = "drafter"):
+                 fuse: bool = True, where: str = "drafter", int8: bool = False):
         target_hidden = target_hidden or cfg.hidden_size
         check_tensors(tensors, origin or {}, dflash_tensor_shapes(cfg, target_hidden), where)
         if embed.shape[1] != cfg.hidden_size:
@@ -63,6 +63,13 @@ class DFlashDrafter:
         self.embed, self.lm_head = embed, lm_head
         t = {k: storage(v) for k, v in tensors.items()}
         prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
+        # every matmul weight as Q8_0 blocks times int8 activations (drafts are only proposals), where
+        # every K (hidden, intermediate, q_dim, the taps' width) is whole blocks of 32
+        ks = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim,
+              len(cfg.target_layer_ids) * target_hidden)
+        self.int8 = int8 and fuse and all(k % 32 == 0 for k in ks)
+        if self.int8:
+            prep = (lambda p: lambda w: p(q8_int8_rows(w)))(self.ops.prepare)
         self.fc = prep(t["fc.weight"])
         self.hidden_norm = as_f32(t["hidden_norm.weight"])
         self.norm = as_f32(t["norm.weight"])

@@ -466,7 +466,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
          fuse_weights="auto", precision: str | None = None, draft_precision: str | None = "auto",
          gguf_dtype: str = "bfloat16", mmap: bool = True, check_weights: bool = False,
-         draft_vocab: bool = True) -> Engine:
+         draft_vocab: bool = True, draft_int8: bool | None = None) -> Engine:
     """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
     target_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), or a
@@ -487,13 +487,16 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     "float32" (exact; parity with a float32 reference); or "blocks": Q4_0 / Q4_1 / Q8_0 matmul weights
     (projections, embedding, LM head) stay in their blocks (5 / 8.5 bits a weight, computed exactly
     as their float32 expansion, dflash_kernels.quant), other quantized tensors in bf16; or
-    "blocks-int8": the same blocks, Q4 ones multiplied as llama.cpp does (each activation row rounded
+    "blocks-int8": the same blocks, multiplied as llama.cpp does (each activation row rounded
     to int8 per block of 32, integer dot products: several rows at the cost of about one, so DFlash
     verification and prefill are much cheaper; values within about 1% of the exact ones, the
     precision setting aside: docs/kernels.md).
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
+    draft_int8: the drafter's matmul weights requantized to Q8_0 blocks at load and multiplied with int8
+    activations (half the bytes a draft streams; drafts are only proposals, so the output does not
+    change, only which drafts are accepted). None (default): when gguf_dtype is "blocks-int8".
     draft_vocab: draft only over the tokens listed in the drafter directory's draft_vocab.json when
     there is one (model/draft_vocab.py: a cheaper drafter LM head; the output is the target's either way).
     Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
@@ -557,7 +560,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         if check_weights:
             check_finite(dtensors, dorigin)
         drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=draft_ops,
-                                target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir))
+                                target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir),
+                                int8=gguf_dtype == "blocks-int8" if draft_int8 is None else bool(draft_int8))
         vocab_file = drafter_dir / draft_vocab_file
         if draft_vocab and vocab_file.is_file():
             drafter.set_draft_vocab(read_draft_vocab(vocab_file, tcfg.vocab_size), target.lm_head_table)

@@ -213,6 +213,20 @@ def as_f32(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def q8_int8_rows(w: np.ndarray):
+    """A float32 / bf16 matmul weight (N, K) requantized to Q8_0 blocks (gguf-py's quantizer), to be
+    multiplied with int8 activations (dflash_kernels.quant); GGUF blocks keep theirs; w itself when K is
+    not a multiple of 32."""
+    if isinstance(w, QuantizedRows):
+        return QuantizedRows(w.blocks, w.qtype, "int8")
+    if w.ndim != 2 or w.shape[1] % 32:
+        return w
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(as_f32(w), GGMLQuantizationType.Q8_0)
+    return QuantizedRows(QuantizedRows.from_bytes(raw, w.shape, "Q8_0").blocks, "Q8_0", "int8")
+
+
 def release_pages(*arrays) -> None:
     """Drop the file pages behind memory-mapped checkpoint arrays from this process's resident set
     (madvise MADV_DONTNEED over their byte ranges), once their values live in a copy (a fused or

@@ -70,11 +70,12 @@ cdef extern from "dk_packed.h" nogil:
                      const unsigned short *P, const float *bias, float *out)
 
 cdef extern from "dk_quant.h" nogil:
-    int DK_Q4, DK_Q8, DK_Q4X
+    int DK_Q4, DK_Q8, DK_Q4X, DK_Q8X
     long dk_q_group(long M)
     long dk_qx_group(long M)
     void dk_qx_quantize(long M, long K, const float *x, long ldx, signed char *xq, float *dx, float *sx)
-    void dk_qx_run(long M, long K, long N, long plo, long phi, const signed char *xq, const float *dx,
+    void dk_qx_unsigned(long n, signed char *xq)
+    void dk_qx_run(long M, long K, long N, long plo, long phi, int fmt, const signed char *xq, const float *dx,
                    const float *sx, const unsigned char *P, const float *bias, float *out)
     long dk_q_panel_bytes(long K, int fmt)
     void dk_q_run(long M, long K, long N, long plo, long phi, int fmt, const float *x, long ldx,
@@ -132,7 +133,7 @@ cdef enum:
     PATH_AMX_PACKED = 5   # weights packed at load: AMX tiles (M > DK_MR, bf16)
     PATH_BF16DOT_PACKED = 6  # weights packed at load: vdpbf16ps tiles ("high" / "medium", where it pays)
     PATH_FMA_QUANT = 7    # GGUF blocks in panels (dk_quant.h): expanded in registers, FMA tiles
-    PATH_INT8_QUANT = 8   # Q4 blocks times int8 activations (dk_quant.h, DK_Q4X): integer dot products
+    PATH_INT8_QUANT = 8   # blocks times int8 activations (dk_quant.h, DK_Q4X / DK_Q8X): integer dot products
 _PATH_NAMES = ("fma-gemv", "fma-blocked", "bf16dot", "amx", "fma-packed", "amx-packed", "bf16dot-packed",
                "fma-quant", "int8-quant")
 cdef int _last_path = -1
@@ -209,7 +210,7 @@ def packed_path_name(Py_ssize_t M, int bf16, int parts=3):
     """"<tier>:<path>" that linear_packed takes for M rows and `parts` activation parts; bf16: the
     weight format (0 float32, 1 bf16, DK_Q4 / DK_Q8: GGUF blocks, always the quantized FMA tiles)."""
     if bf16 >= DK_Q4:
-        return f"{TIER}:{_PATH_NAMES[PATH_INT8_QUANT if bf16 == DK_Q4X else PATH_FMA_QUANT]}"
+        return f"{TIER}:{_PATH_NAMES[PATH_INT8_QUANT if bf16 >= DK_Q4X else PATH_FMA_QUANT]}"
     if bf16 and parts < 3:
         bf16dot_pays()
     return f"{TIER}:{_PATH_NAMES[_choose_packed_path(M, bf16, parts)]}"
@@ -459,7 +460,7 @@ def linear_packed(const float[:, ::1] x, const ptype[::1] packed, const float[::
                   *, int n_threads, int parts=3, bint weights_finite=True, int quant=0):
     """out (M, N) = round(x (M, K), parts) @ W^T + bias, W (N, K) given packed (dk_packed.h: ceil(N/16)
     panels of dk_pk_panel_elems(K) values, fp32 or bf16 bit patterns; or bytes of GGUF blocks,
-    dk_quant.h, of format quant: DK_Q4, DK_Q8, or DK_Q4X: Q4 blocks times int8 activations). N is
+    dk_quant.h, of format quant: DK_Q4, DK_Q8, or DK_Q4X / DK_Q8X: times int8 activations). N is
     out's width.
 
     weights_finite=False (W holds inf or NaN; PackedWeight.finite) keeps to the FMA tiles: the AMX
@@ -468,8 +469,9 @@ def linear_packed(const float[:, ::1] x, const ptype[::1] packed, const float[::
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
     cdef int bf16 = 0 if ptype is float else (quant if ptype is gguf_byte else 1)
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    if ptype is gguf_byte and (quant not in (DK_Q4, DK_Q8, DK_Q4X) or K % 32):
-        raise ValueError(f"linear_packed: quant must be {DK_Q4} (Q4), {DK_Q8} (Q8) or {DK_Q4X} (Q4 x int8) with K "
+    if ptype is gguf_byte and (quant not in (DK_Q4, DK_Q8, DK_Q4X, DK_Q8X) or K % 32):
+        raise ValueError(f"linear_packed: quant must be {DK_Q4} (Q4), {DK_Q8} (Q8), {DK_Q4X} (Q4 x int8) or {DK_Q8X} "
+                         f"(Q8 x int8) with K "
                          f"a multiple of 32, "
                          f"got {quant} and K = {K}")
     if packed.shape[0] != npanels * _panel_size(K, bf16) or out.shape[0] != M \
@@ -490,11 +492,11 @@ cdef inline Py_ssize_t _panel_size(Py_ssize_t K, int fmt) noexcept nogil:
 cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const void *wp, int bf16,
                             const float *bp, float *op, int n_threads, int parts, bint weights_finite) except -1:
     """linear_packed on raw pointers (x C-contiguous, M, N > 0): linear_packed and the fused layers.
-    bf16: the weight format, 0 float32, 1 bf16, DK_Q4 / DK_Q8 / DK_Q4X GGUF blocks (K a multiple of 32)."""
+    bf16: the weight format, 0 float32, 1 bf16, DK_Q4 / DK_Q8 / DK_Q4X / DK_Q8X GGUF blocks (K a multiple of 32)."""
     global _last_path
     cdef Py_ssize_t m, g
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
-    cdef Py_ssize_t gp = dk_qx_group(M) if bf16 == DK_Q4X else (dk_q_group(M) if bf16 >= DK_Q4 else dk_pk_group(M))
+    cdef Py_ssize_t gp = dk_qx_group(M) if bf16 >= DK_Q4X else (dk_q_group(M) if bf16 >= DK_Q4 else dk_pk_group(M))
     cdef Py_ssize_t ngroups = (npanels + gp - 1) // gp
     cdef bint quant = bf16 >= DK_Q4  # GGUF blocks: always the quantized FMA tiles (dk_quant.h)
     _last_path = PATH_FMA_QUANT if quant else PATH_FMA_PACKED
@@ -516,8 +518,8 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     elif path == PATH_BF16DOT_PACKED:
         if _linear_packed_bf16dot(xp, <const unsigned short *> wp, bp, op, M, K, N, parts, nt):
             return 0
-    if bf16 == DK_Q4X:
-        return _linear_int8_run(xp, M, K, N, <const unsigned char *> wp, bp, op, npanels, gp, nt)
+    if bf16 >= DK_Q4X:
+        return _linear_int8_run(xp, M, K, N, bf16, <const unsigned char *> wp, bp, op, npanels, gp, nt)
     # (the FMA tiles also for inf / NaN in x: IEEE results)
     _last_path = PATH_FMA_QUANT if quant else PATH_FMA_PACKED
     # x copied once (rounded to `parts` bf16 parts, below "highest") with a padded row stride: the
@@ -544,9 +546,9 @@ cdef int _linear_packed_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssiz
     free(xpad)
     return 0
 
-cdef int _linear_int8_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, const unsigned char *wp,
+cdef int _linear_int8_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int fmt, const unsigned char *wp,
                           const float *bp, float *op, Py_ssize_t npanels, Py_ssize_t gp, int nt) except -1:
-    """DK_Q4X: x quantized once (int8 per block of 32 k), then every thread's panels."""
+    """DK_Q4X / DK_Q8X: x quantized once (int8 per block of 32 k), then every thread's panels."""
     global _last_path
     _last_path = PATH_INT8_QUANT
     cdef Py_ssize_t g, nblk = K // 32, ngroups = (npanels + gp - 1) // gp
@@ -558,8 +560,10 @@ cdef int _linear_int8_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_
         raise MemoryError()
     with nogil:
         dk_qx_quantize(M, K, xp, K, xq, dx, dx + M * nblk)
+        if fmt == DK_Q8X:
+            dk_qx_unsigned(M * K, xq)
         for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
-            dk_qx_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), xq, dx, dx + M * nblk, wp, bp, op)
+            dk_qx_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), fmt, xq, dx, dx + M * nblk, wp, bp, op)
     free(xq)
     free(dx)
     return 0

@@ -36,7 +36,8 @@ float32 sums. K is a multiple of 32 (a GGUF row is whole blocks). */
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
 
-enum { DK_Q4 = 2, DK_Q8 = 3, DK_Q4X = 4 };  /* linear_packed's weight formats after float32 (0) and bf16 (1); DK_Q4X: Q4 blocks x int8 activations (below) */
+enum { DK_Q4 = 2, DK_Q8 = 3, DK_Q4X = 4, DK_Q8X = 5 };  /* linear_packed's weight formats after float32 (0) and bf16
+                                                         (1); DK_Q4X / DK_Q8X: blocks x int8 activations (below) */
 #define DK_Q_BLOCK 32
 #define DK_Q_VPP (DK_PK_COLS / DK_VW)  /* vectors per panel row */
 #if DK_VW == 16
@@ -56,7 +57,9 @@ enum { DK_Q4 = 2, DK_Q8 = 3, DK_Q4X = 4 };  /* linear_packed's weight formats af
 #define DK_Q_KB (DK_PK_KC / DK_Q_BLOCK)  /* blocks per chunk: the float32 tiles' K chunk */
 
 
-static inline long dk_q_block_bytes(int fmt) { return fmt == DK_Q8 ? 32 + 512 : 64 + 256; }  /* Q4, Q4X: 320 */
+static inline long dk_q_block_bytes(int fmt) {  /* Q4, Q4X: 320; Q8: 544; Q8X: 576 */
+    return fmt == DK_Q8 ? 32 + 512 : (fmt == DK_Q8X ? 64 + 512 : 64 + 256);
+}
 static inline long dk_q_panel_bytes(long K, int fmt) { return K / DK_Q_BLOCK * dk_q_block_bytes(fmt); }
 /* Panels per work item: the GEMV tile's, the direct tile's, or (M > DK_Q_MR) the float32 tile's */
 static inline long dk_q_group(long M) { return M == 1 ? DK_Q_GV : (M >= DK_Q_EXPAND_ROWS ? DK_PK_NV : DK_Q_NV); }
@@ -67,6 +70,15 @@ DK_AI dk_vf dk_q_f16(const uint8_t *h) {
     return (dk_vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 #else
     return (dk_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#endif
+}
+
+/* DK_VW int16 at p, sign-extended to int32 lanes */
+DK_AI dk_vi dk_q_i16(const uint8_t *h) {
+#if DK_VW == 16
+    return (dk_vi)_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)h));
+#else
+    return (dk_vi)_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)h));
 #endif
 }
 
@@ -275,9 +287,14 @@ computed alone the same way whatever M, the thread count or the tier (lossless v
 it); the numpy reference (dflash_kernels/quant.py) computes the same bits. Not the float32 expansion's
 values: the activations are rounded to about 8 bits (see docs/kernels.md).
 
-Layout (the record of one block of one panel, 320 bytes like DK_Q4's): d[16] float16, m[16] float16,
-then 4 groups of 8 k: group g is 64 bytes, 4 per column j: byte i = q[8g + i] | q[8g + 4 + i] << 4,
-so that one 32-bit lane holds 4 consecutive k of its column, low nibbles then high. */
+Layout (the record of one block of one panel): DK_Q4X, 320 bytes like DK_Q4's: d[16] float16, m[16]
+float16, then 4 groups of 8 k: group g is 64 bytes, 4 per column j: byte i = q[8g + i] | q[8g + 4 + i]
+<< 4, so that one 32-bit lane holds 4 consecutive k of its column, low nibbles then high. DK_Q8X
+(Q8_0 blocks, w = d q), 576 bytes: d[16] float16, c[16] int16 = sum_k q (per column), then 8
+groups of 4 k: group g is 64 bytes, column j's lane holds q[4g .. 4g + 3] (int8). vpdpbusd takes the
+unsigned operand from the activations there: xq + 128, and S = sum (xq + 128) q - 128 c. Without VNNI
+(vpmaddubsw's pairs would saturate at 255 x 127 x 2) the unsigned bytes go in two nibbles, the high
+one's products weighted by 16: the same integers. */
 #if DK_VW == 16
 #define DK_QX_MR 6  /* 6 rows x 1 panel: 12 int (two chains a row) + 6 float accumulators, 2 weights */
 #define DK_QX_NV 1
@@ -345,6 +362,11 @@ static void dk_qx_quantize(long M, long K, const float *x, long ldx, int8_t *xq,
         }
 }
 
+/* xq + 128 as unsigned bytes, in place (n bytes): DK_Q8X's activations (vpdpbusd's unsigned operand) */
+static void dk_qx_unsigned(long n, int8_t *xq) {
+    for (long j = 0; j < n; j++) xq[j] = (int8_t)((uint8_t)xq[j] ^ 0x80u);
+}
+
 /* acc (int32 lanes) += 4-byte dot products of u (unsigned bytes) and s (signed bytes) */
 DK_AI dk_vi dk_qx_dot(dk_vi acc, dk_vi u, dk_vi s) {
 #if DK_VW == 16 && defined(__AVX512VNNI__)
@@ -358,11 +380,23 @@ DK_AI dk_vi dk_qx_dot(dk_vi acc, dk_vi u, dk_vi s) {
 #endif
 }
 
+/* acc += 4-byte dot products of u (unsigned bytes, any value) and s (signed bytes) */
+DK_AI dk_vi dk_qx_dot8(dk_vi acc, dk_vi u, dk_vi s) {
+#if DK_VW == 16 && defined(__AVX512VNNI__)
+    return (dk_vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#else
+    const dk_vi low = (dk_vi){0} + 0x0F0F0F0F;
+    dk_vi lo = dk_qx_dot((dk_vi){0}, u & low, s), hi = dk_qx_dot((dk_vi){0}, (dk_vi)((dk_vu)u >> 4) & low, s);
+    return acc + lo + hi * 16;
+#endif
+}
+
 /* One tile: rows [0, mr) (xq row stride K) times panels [0, nv) of P over every block, into out
    (row stride ldo; the first ncols <= nv * 16 columns), the bias added after. */
-DK_AI void dk_qx_tile(const int mr, const int nv, long nblk, long K, const int8_t *xq, const float *dx,
-                      const float *sx, const uint8_t *P, long pstride, const float *bias, float *out, long ldo,
-                      long ncols) {
+DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long K, const int8_t *xq,
+                      const float *dx, const float *sx, const uint8_t *P, long pstride, const float *bias,
+                      float *out, long ldo, long ncols) {
+    const long bb = dk_q_block_bytes(fmt);
     dk_vf acc[DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
     const int nvec = nv * DK_Q_VPP;
     const dk_vi low = (dk_vi){0} + 0x0F0F0F0F;
@@ -372,11 +406,21 @@ DK_AI void dk_qx_tile(const int mr, const int nv, long nblk, long K, const int8_
         /* integer sums are exact in any order: DK_QX_CH chains hide vpdpbusd's latency */
         dk_vi s[DK_QX_CH][DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
         const uint8_t *blk[DK_QX_NVMAX * DK_Q_VPP];
-        for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * (64 + 256);  /* the record */
+        for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * bb;  /* the record */
         for (int c = 0; c < DK_QX_CH; c++)
             for (int i = 0; i < mr; i++)
                 for (int v = 0; v < nvec; v++) s[c][i][v] = (dk_vi){0};
-        for (int g = 0; g < 4; g++) {
+        for (int g = 0; fmt == DK_Q8X && g < 8; g++) {  /* 4 k a group; the activations unsigned (+ 128) */
+            dk_vi w[DK_QX_NVMAX * DK_Q_VPP];
+            for (int v = 0; v < nvec; v++) memcpy(&w[v], blk[v] + 64 + g * 64 + (v % DK_Q_VPP) * 4 * DK_VW, sizeof w[v]);
+            for (int i = 0; i < mr; i++) {
+                int32_t a;  /* xq + 128: dk_qx_run's caller flipped the sign bits (dk_qx_unsigned) */
+                memcpy(&a, xq + i * K + b * DK_Q_BLOCK + 4 * g, 4);
+                const dk_vi xa = (dk_vi){0} + a;
+                for (int v = 0; v < nvec; v++) s[g & (DK_QX_CH - 1)][i][v] = dk_qx_dot8(s[g & (DK_QX_CH - 1)][i][v], xa, w[v]);
+            }
+        }
+        for (int g = 0; fmt == DK_Q4X && g < 4; g++) {
             dk_vi lo[DK_QX_NVMAX * DK_Q_VPP], hi[DK_QX_NVMAX * DK_Q_VPP];
             for (int v = 0; v < nvec; v++) {
                 dk_vi u;
@@ -397,6 +441,15 @@ DK_AI void dk_qx_tile(const int mr, const int nv, long nblk, long K, const int8_
         }
         for (int v = 0; v < nvec; v++) {
             const dk_vf d = dk_q_f16(blk[v] + (v % DK_Q_VPP) * 2 * DK_VW);
+            if (fmt == DK_Q8X) {
+                const dk_vi c = dk_q_i16(blk[v] + 32 + (v % DK_Q_VPP) * 2 * DK_VW) * 128;
+                for (int i = 0; i < mr; i++) {
+                    const dk_vi si = (DK_QX_CH == 2 ? s[0][i][v] + s[DK_QX_CH - 1][i][v] : s[0][i][v]) - c;
+                    const dk_vf ddx = d * dx[i * nblk + b];
+                    acc[i][v] = acc[i][v] + ddx * __builtin_convertvector(si, dk_vf);
+                }
+                continue;
+            }
             const dk_vf m = dk_q_f16(blk[v] + 32 + (v % DK_Q_VPP) * 2 * DK_VW);
             for (int i = 0; i < mr; i++) {
                 const dk_vi si = DK_QX_CH == 2 ? s[0][i][v] + s[DK_QX_CH - 1][i][v] : s[0][i][v];
@@ -409,9 +462,14 @@ DK_AI void dk_qx_tile(const int mr, const int nv, long nblk, long K, const int8_
     for (int i = 0; i < mr; i++) dk_pk_store_row(acc[i], nvec, out + i * ldo, ncols, 1, bias);
 }
 
-static void dk_qx_tile_any(int mr, int nv, long nblk, long K, const int8_t *xq, const float *dx, const float *sx,
-                           const uint8_t *P, long pstride, const float *bias, float *out, long ldo, long ncols) {
-#define DK_QX_T(MR_, NV_) dk_qx_tile(MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols)
+static void dk_qx_tile_any(int fmt, int mr, int nv, long nblk, long K, const int8_t *xq, const float *dx,
+                           const float *sx, const uint8_t *P, long pstride, const float *bias, float *out, long ldo,
+                           long ncols) {
+#define DK_QX_T(MR_, NV_) \
+    do { \
+        if (fmt == DK_Q8X) dk_qx_tile(DK_Q8X, MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols); \
+        else dk_qx_tile(DK_Q4X, MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols); \
+    } while (0)
     if (mr == 1) {
 #if DK_QX_GV == 4
         if (nv == 4) DK_QX_T(1, 4); else if (nv == 3) DK_QX_T(1, 3); else if (nv == 2) DK_QX_T(1, 2); else DK_QX_T(1, 1);
@@ -434,15 +492,15 @@ static void dk_qx_tile_any(int mr, int nv, long nblk, long K, const int8_t *xq, 
 
 /* out[:, 16 plo : 16 phi] (clipped to N) = the DK_Q4X product of the quantized rows (dk_qx_quantize)
    and panels [plo, phi) of P, dk_qx_group(M) panels at a time, every row tile over each group. */
-static void dk_qx_run(long M, long K, long N, long plo, long phi, const int8_t *xq, const float *dx,
+static void dk_qx_run(long M, long K, long N, long plo, long phi, int fmt, const int8_t *xq, const float *dx,
                       const float *sx, const uint8_t *P, const float *bias, float *out) {
-    const long nblk = K / DK_Q_BLOCK, pstride = nblk * (64 + 256), gp = dk_qx_group(M);
+    const long nblk = K / DK_Q_BLOCK, pstride = nblk * dk_q_block_bytes(fmt), gp = dk_qx_group(M);
     for (long p0 = plo; p0 < phi; p0 += gp) {
         int nv = phi - p0 < gp ? (int)(phi - p0) : (int)gp;
         long c0 = p0 * DK_PK_COLS, ncols = N - c0 < nv * DK_PK_COLS ? N - c0 : nv * DK_PK_COLS;
         for (long i0 = 0; i0 < M; i0 += DK_QX_MR) {
             int mr = M - i0 < DK_QX_MR ? (int)(M - i0) : DK_QX_MR;
-            dk_qx_tile_any(mr, nv, nblk, K, xq + i0 * K, dx + i0 * nblk, sx + i0 * nblk, P + p0 * pstride, pstride,
+            dk_qx_tile_any(fmt, mr, nv, nblk, K, xq + i0 * K, dx + i0 * nblk, sx + i0 * nblk, P + p0 * pstride, pstride,
                            bias ? bias + c0 : NULL, out + i0 * N + c0, N, ncols);
         }
     }

@@ -10,7 +10,7 @@ acquisition and the output allocation (~5-15 us each, ~14 ops per layer); one ma
 intermediate of the layer.
 """
 
-# A block of at most this many rows over int8-activation weights (DK_Q4X: a DFlash verification)
+# A block of at most this many rows over int8-activation weights (DK_Q4X / DK_Q8X: a DFlash verification)
 # attends row by row (qwen3_layer); model/qwen3.py's composed path reads the bound as ROW_EXACT_ROWS.
 cdef enum:
     _ROW_EXACT_ROWS = 32
@@ -99,7 +99,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     the caches are the injected context, the rows' own K/V are attended to but not stored, and
     `causal` says whether a row sees the rows after it. window > 0: only the last `window` positions.
     finite_mask: bit i set when weight i (qkv, o, gate_up, down) is finite (PackedWeight.finite).
-    quant: the format of byte weights (GGUF blocks, dk_quant.h: DK_Q4, DK_Q8 or DK_Q4X), the same for all four.
+    quant: the format of byte weights (GGUF blocks, dk_quant.h: DK_Q4, DK_Q8, DK_Q4X or DK_Q8X), the same for all four.
     A Qwen3.5 gated full-attention layer: norm_offset 1 (every norm x (1 + w)), output_gate (Wq's
     rows per head [query | gate], attention output times sigmoid(gate) before o_proj) and rotary_dim
     < head_dim (RoPE on the first dims only; 0 = head_dim). The caller validates shapes (layers.py)."""
@@ -195,7 +195,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                 else:
                     memcpy(<float *> kc + (start + t) * kvd, kb + t * kvd, kvd * sizeof(float))
                     memcpy(<float *> vc + (start + t) * kvd, src, kvd * sizeof(float))
-            if append and bf16 == DK_Q4X and T <= _ROW_EXACT_ROWS:
+            if append and bf16 >= DK_Q4X and T <= _ROW_EXACT_ROWS:
                 # int8 activations round each row afresh, so a verification row must give the bits
                 # of the decode step at its position: each row alone over its own keys, as that
                 # step computes it (the tiled block path sums in another order)
@@ -210,7 +210,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
             else:
                 _problem_init(&P, kc, vc, kv_bf16, start, kb, vb, 0, T, T, Hq, Hkv, D, start, window, causal,
                               <float> (D ** -0.5), parts, _dp_pays == 1, amx)
-            if not (append and bf16 == DK_Q4X and T <= _ROW_EXACT_ROWS):
+            if not (append and bf16 >= DK_Q4X and T <= _ROW_EXACT_ROWS):
                 rc = _attend_run(&P, q, att, n_threads)
         if rc:
             raise MemoryError()

@@ -162,17 +162,16 @@ def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
 def test_int8_activation_panels_hold_the_same_weights(qtype):
     rows, raw = rows_of(np.random.default_rng(5), 37, 96, qtype)
     packed = pack_quantized(rows, activations="int8")
-    assert packed.quant == (3 if qtype == "Q8_0" else 4)  # Q8_0 blocks keep float activations
-    assert packed.data.size == 3 * 3 * (544 if qtype == "Q8_0" else 320)  # the same bytes as the exact panels
+    assert packed.quant == (5 if qtype == "Q8_0" else 4)
+    assert packed.data.size == 3 * 3 * (576 if qtype == "Q8_0" else 320)  # Q8_0: + the columns' sums of q
     np.testing.assert_array_equal(packed.unpack(), ref_dequantize(raw, getattr(Q, qtype)))
-    if qtype != "Q8_0":
-        assert repr(packed) == "PackedWeight(shape=(37, 96), dtype=q4-int8)"
+    assert repr(packed) == f"PackedWeight(shape=(37, 96), dtype={'q8' if qtype == 'Q8_0' else 'q4'}-int8)"
     rows.activations = "int8"  # the rows' own default, as gguf_dtype="blocks-int8" sets it
     assert pack_quantized(rows).quant == packed.quant and pack_quantized(rows, activations="float").quant != 4
 
 
 @settings(max_examples=40, deadline=None)
-@given(qtype=st.sampled_from(["Q4_0", "Q4_1"]), n=st.integers(1, 70), kb=st.integers(1, 20), m=st.integers(1, 20),
+@given(qtype=st.sampled_from(QTYPES), n=st.integers(1, 70), kb=st.integers(1, 20), m=st.integers(1, 20),
        tier=st.sampled_from(MACHINE_TIERS), threads=st.sampled_from([1, 2, 3]), with_bias=st.booleans(),
        scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
 def test_int8_activations_give_the_reference_bits_on_every_tier(qtype, n, kb, m, tier, threads, with_bias, scale,
@@ -228,21 +227,26 @@ def test_int8_activations_bad_values_give_clear_errors():
     other = QuantizedRows(rows.blocks, "Q4_1", "int8")
     with pytest.raises(ValueError, match="activations"):
         QuantizedRows.concat([rows, other])
-    with pytest.raises(ValueError, match="Q4-times-int8"):
+    with pytest.raises(ValueError, match="times int8 activations"):
         linear_int8_reference(np.ones((1, 32), np.float32), pack_quantized(rows))
 
 
-def test_a_gguf_model_run_with_int8_activations(tmp_path):
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_a_gguf_model_run_with_int8_activations(tmp_path, qtype):
     cfg, tensors = tiny()
-    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=Q.Q4_1)
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=qtype)
     hf_dir = tmp_path / "cfg"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
     int8 = dm.load(path, drafter, gguf_dtype="blocks-int8", max_len=128)
-    assert int8.target.layers[0].quant == 4 and int8.target.fused_layers
+    want = 5 if qtype == Q.Q8_0 else 4
+    assert int8.target.layers[0].quant == want and int8.target.fused_layers and int8.target.lm_head.quant == want
+    # the drafter is requantized to Q8_0 at load where its K are whole blocks (not this one's: intermediate 80)
+    assert not int8.drafter.int8 and int8.drafter.layers[0].quant == 0 and int8.drafter.fused_layers
     for ar, sd in greedy_runs(int8):  # lossless: verification rows give the bits of decode steps
         assert sd.token_ids == ar.token_ids
+
     prompt = [5, 17, 2, 99, 31, 64, 7]
     a, _ = int8.target.prefill(prompt, int8.target.new_cache(64))
     unfused = dm.load(path, gguf_dtype="blocks-int8", fuse_weights=False, max_len=64)  # the single ops

@@ -41,13 +41,16 @@ def test_its_q4_1_blocks_run_as_stored_give_the_same_tokens():
 
 @pytest.mark.skipif(not (SMOLLM2_DRAFTER / "config.json").is_file(), reason="no shipped SmolLM2 drafter")
 def test_int8_activations_keep_dflash_lossless():
-    # gguf_dtype="blocks-int8": the Q4_1 layers times int8 activations (the Q8_0 head keeps float ones).
+    # gguf_dtype="blocks-int8": the Q4_1 layers and the Q8_0 LM head times int8 activations.
     # Rounding activations to int8 turns any last-bit difference into another integer, so this checks
     # that verification rows give exactly the decode steps' bits (row-by-row attention, pyx/layers.pxi):
     # before that, 6 of 8 prompts diverged within 64 tokens. The model itself is another rounding of
     # the GGUF's: its tokens follow transformers' for the first few at least.
     pair = dm.load(GGUF, SMOLLM2_DRAFTER, gguf_dtype="blocks-int8", max_len=512)
-    assert pair.target.layers[0].quant == 4 and pair.target.lm_head.quant == 3
+    assert pair.target.layers[0].quant == 4 and pair.target.lm_head.quant == 5
+    assert pair.drafter.layers[0].quant == 5 and pair.drafter.fused_layers  # requantized to Q8_0 at load
+    assert dm.load(GGUF, SMOLLM2_DRAFTER, gguf_dtype="blocks-int8", draft_int8=False,
+                   max_len=64).drafter.layers[0].quant == 0
     for case in RECORD["cases"][:3]:
         ar = pair.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True, num_speculative_tokens=0)
         sd = pair.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True, num_speculative_tokens=15)
