@@ -202,7 +202,7 @@ class Qwen3Model(TargetBase):
         def attend(li, L, q, k, v):
             cache.write(li, start, k, v)
             end = start + T
-            if L.quant in (Q4_INT8, Q8_INT8) and 1 < T <= ROW_EXACT_ROWS:  # as the fused layer: each row as its decode step
+            if L.quant in (Q4_INT8, Q8_INT8) and 1 < T <= ROW_EXACT_ROWS:  # each row as its decode step
                 return np.concatenate([ops.cached_attention(q[t : t + 1], cache.k[li, : start + t + 1],
                                                             cache.v[li, : start + t + 1], window=L.window)
                                        for t in range(T)])
