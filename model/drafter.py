@@ -69,7 +69,8 @@ class DFlashDrafter:
               len(cfg.target_layer_ids) * target_hidden)
         self.int8 = int8 and fuse and all(k % 32 == 0 for k in ks)
         if self.int8:
-            prep = (lambda p: lambda w: p(q8_int8_rows(w)))(self.ops.prepare)
+            def prep(w):
+                return self.ops.prepare(q8_int8_rows(w))
         self.fc = prep(t["fc.weight"])
         self.hidden_norm = as_f32(t["hidden_norm.weight"])
         self.norm = as_f32(t["norm.weight"])

@@ -11,7 +11,7 @@ intermediate of the layer.
 """
 
 # A block of at most this many rows over int8-activation weights (DK_Q4X / DK_Q8X: a DFlash verification)
-# attends row by row (qwen3_layer); model/qwen3.py's composed path reads the bound as ROW_EXACT_ROWS.
+# attends row by row (qwen3_layer); model/qwen3.py's composed path keeps the same bound (tests/test_quant.py).
 cdef enum:
     _ROW_EXACT_ROWS = 32
 ROW_EXACT_ROWS = _ROW_EXACT_ROWS

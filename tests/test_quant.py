@@ -218,6 +218,15 @@ def test_int8_activations_with_non_finite_x_give_nan_rows():
     np.testing.assert_array_equal(got, linear_int8_reference(x, packed))
 
 
+@pytest.mark.skipif("cython" not in dk.available_backends(), reason="the fused layer is the Cython build's")
+def test_row_by_row_attention_bound_is_one():
+    # the fused layer (pyx/layers.pxi) and the composed path (model/qwen3.py) attend row by row up to
+    # the same block size, so that both give verification rows the decode steps' bits
+    from dflash_kernels.model import qwen3
+
+    assert dk.kernel_module("dense", "cython").ROW_EXACT_ROWS == qwen3.ROW_EXACT_ROWS
+
+
 def test_int8_activations_bad_values_give_clear_errors():
     rows = rows_of(np.random.default_rng(8), 4, 32, "Q4_1")[0]
     with pytest.raises(ValueError, match="activations must be one of"):
