@@ -127,14 +127,19 @@ def test_bad_blocks_give_clear_errors():
     assert not rows.finite() and not pack_quantized(rows).finite
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
-def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
+def tiny_gguf_pair(tmp_path, qtype):
+    """A tiny Llama GGUF of one block type and a DFlash drafter for it: (gguf path, drafter dir)."""
     cfg, tensors = tiny()
     path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=qtype)
     hf_dir = tmp_path / "cfg"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(cfg))
-    drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
+    return path, write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_a_gguf_model_run_on_its_blocks(tmp_path, qtype):
+    path, drafter = tiny_gguf_pair(tmp_path, qtype)
     blocks = dm.load(path, drafter, gguf_dtype="blocks", max_len=128)
     layer = blocks.target.layers[0]
     assert layer.fused and layer.quant == (3 if qtype == Q.Q8_0 else 2) and blocks.target.fused_layers
@@ -242,12 +247,7 @@ def test_int8_activations_bad_values_give_clear_errors():
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_a_gguf_model_run_with_int8_activations(tmp_path, qtype):
-    cfg, tensors = tiny()
-    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, qtype=qtype)
-    hf_dir = tmp_path / "cfg"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(cfg))
-    drafter = write_dflash(tmp_path / "drafter", hf_dir, target_layer_ids=(0, 1), block_size=8)
+    path, drafter = tiny_gguf_pair(tmp_path, qtype)
     int8 = dm.load(path, drafter, gguf_dtype="blocks-int8", max_len=128)
     want = 5 if qtype == Q.Q8_0 else 4
     assert int8.target.layers[0].quant == want and int8.target.fused_layers and int8.target.lm_head.quant == want
