@@ -490,7 +490,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     "blocks-int8": the same blocks, multiplied as llama.cpp does (each activation row rounded
     to int8 per block of 32, integer dot products: several rows at the cost of about one, so DFlash
     verification and prefill are much cheaper; values within about 1% of the exact ones, the
-    precision setting aside: docs/kernels.md).
+    precision setting aside: docs/architecture.md).
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).

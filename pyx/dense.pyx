@@ -73,8 +73,7 @@ cdef extern from "dk_quant.h" nogil:
     int DK_Q4, DK_Q8, DK_Q4X, DK_Q8X
     long dk_q_group(long M)
     long dk_qx_group(long M)
-    void dk_qx_quantize(long M, long K, const float *x, long ldx, signed char *xq, float *dx, float *sx)
-    void dk_qx_unsigned(long n, signed char *xq)
+    void dk_qx_quantize(long M, long K, const float *x, long ldx, int flip, signed char *xq, float *dx, float *sx)
     void dk_qx_run(long M, long K, long N, long plo, long phi, int fmt, const signed char *xq, const float *dx,
                    const float *sx, const unsigned char *P, const float *bias, float *out)
     long dk_q_panel_bytes(long K, int fmt)
@@ -559,9 +558,7 @@ cdef int _linear_int8_run(const float *xp, Py_ssize_t M, Py_ssize_t K, Py_ssize_
         free(dx)
         raise MemoryError()
     with nogil:
-        dk_qx_quantize(M, K, xp, K, xq, dx, dx + M * nblk)
-        if fmt == DK_Q8X:
-            dk_qx_unsigned(M * K, xq)
+        dk_qx_quantize(M, K, xp, K, fmt == DK_Q8X, xq, dx, dx + M * nblk)
         for g in prange(ngroups, num_threads=min(nt, ngroups), schedule="static"):
             dk_qx_run(M, K, N, g * gp, min(npanels, (g + 1) * gp), fmt, xq, dx, dx + M * nblk, wp, bp, op)
     free(xq)

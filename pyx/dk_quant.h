@@ -285,7 +285,7 @@ where the tier has no VNNI: the same integers). Per block and column:
 each product and sum rounded once in float32, blocks in k order, the bias after. Every row is
 computed alone the same way whatever M, the thread count or the tier (lossless verification needs
 it); the numpy reference (dflash_kernels/quant.py) computes the same bits. Not the float32 expansion's
-values: the activations are rounded to about 8 bits (see docs/kernels.md).
+values: the activations are rounded to about 8 bits (docs/architecture.md).
 
 Layout (the record of one block of one panel): DK_Q4X, 320 bytes like DK_Q4's: d[16] float16, m[16]
 float16, then 4 groups of 8 k: group g is 64 bytes, 4 per column j: byte i = q[8g + i] | q[8g + 4 + i]
@@ -314,8 +314,11 @@ static inline long dk_qx_group(long M) { return M == 1 ? DK_QX_GV : DK_QX_NV; }
 #pragma GCC optimize("fp-contract=off")  /* every product and sum rounded once, as numpy does */
 
 /* Rows of x (M, K; row stride ldx) as int8 per block of 32 k: xq (M, K), dx and sx (M, K / 32). A
-   block of zeros gets dx = 0; a non-finite one a non-finite dx (its outputs are then NaN). */
-static void dk_qx_quantize(long M, long K, const float *x, long ldx, int8_t *xq, float *dx, float *sx) {
+   block of zeros gets dx = 0; a non-finite one a non-finite dx (its outputs are then NaN). flip
+   (DK_Q8X, where vpdpbusd takes the activations as its unsigned operand): xq stored as xq + 128,
+   unsigned bytes (the sign bit flipped); dx and sx are the same either way. */
+static void dk_qx_quantize(long M, long K, const float *x, long ldx, int flip, int8_t *xq, float *dx, float *sx) {
+    const uint8_t fb = flip ? 0x80u : 0;
     const long nb = K / DK_Q_BLOCK;
     enum { NV = DK_Q_BLOCK / DK_VW };  /* vectors per block */
     for (long i = 0; i < M; i++)
@@ -353,18 +356,13 @@ static void dk_qx_quantize(long M, long K, const float *x, long ldx, int8_t *xq,
                             ((dk_vi)((dk_vf){0} - 127.0f) & lo));
                 dk_vi q = __builtin_convertvector(r, dk_vi);
                 sum += q;
-                for (int l = 0; l < DK_VW; l++) xq[i * K + b * DK_Q_BLOCK + u * DK_VW + l] = (int8_t)q[l];
+                for (int l = 0; l < DK_VW; l++) xq[i * K + b * DK_Q_BLOCK + u * DK_VW + l] = (int8_t)((uint8_t)q[l] ^ fb);
             }
             int s = 0;
             for (int l = 0; l < DK_VW; l++) s += sum[l];
             dx[i * nb + b] = d;
             sx[i * nb + b] = d * (float)s;
         }
-}
-
-/* xq + 128 as unsigned bytes, in place (n bytes): DK_Q8X's activations (vpdpbusd's unsigned operand) */
-static void dk_qx_unsigned(long n, int8_t *xq) {
-    for (long j = 0; j < n; j++) xq[j] = (int8_t)((uint8_t)xq[j] ^ 0x80u);
 }
 
 /* acc (int32 lanes) += 4-byte dot products of u (unsigned bytes) and s (signed bytes) */
@@ -414,7 +412,7 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
             dk_vi w[DK_QX_NVMAX * DK_Q_VPP];
             for (int v = 0; v < nvec; v++) memcpy(&w[v], blk[v] + 64 + g * 64 + (v % DK_Q_VPP) * 4 * DK_VW, sizeof w[v]);
             for (int i = 0; i < mr; i++) {
-                int32_t a;  /* xq + 128: dk_qx_run's caller flipped the sign bits (dk_qx_unsigned) */
+                int32_t a;  /* xq + 128: quantized with flip (dk_qx_quantize) */
                 memcpy(&a, xq + i * K + b * DK_Q_BLOCK + 4 * g, 4);
                 const dk_vi xa = (dk_vi){0} + a;
                 for (int v = 0; v < nvec; v++) s[g & (DK_QX_CH - 1)][i][v] = dk_qx_dot8(s[g & (DK_QX_CH - 1)][i][v], xa, w[v]);
