@@ -551,6 +551,21 @@ cdef void _problem_init(Problem* P, const void* k1, const void* v1, int bf1, Py_
         P.split = max(1, min((SPLIT_ITEMS + P.n_qb - 1) // P.n_qb, (T1 + T2) // SPLIT_MIN_KEYS))
 
 
+cdef int _attend_rows(const Problem* Ps, Py_ssize_t T, const float* q, Py_ssize_t q_stride, float* out,
+                      int n_threads) noexcept nogil:
+    """Problems Ps[0:T] of one query row each (their queries at q + t q_stride, outputs at out + t
+    q_stride) in one parallel region, each row by one thread: a row's result does not depend on the
+    thread count (the work split follows from the shape alone), and a parallel region and its
+    allocations per row cost more than a short row's attention (SmolLM2's verification rows: about
+    10 us a row and layer). -1 when out of memory."""
+    cdef Py_ssize_t t
+    cdef int rc = 0
+    cdef int nth = <int>min(<Py_ssize_t>max(1, n_threads), T)
+    for t in prange(T, num_threads=nth, schedule="dynamic"):
+        rc |= _attend_run(&Ps[t], q + t * q_stride, out + t * q_stride, 1)
+    return rc
+
+
 cdef int _attend_run(const Problem* P, const float* q, float* out, int n_threads) noexcept nogil:
     """out (T_q, H_q, D) = attention of q (T_q, H_q, D, contiguous) over P's keys; -1 when out of
     memory (nothing written)."""

@@ -157,6 +157,7 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
     cdef int nt_qk = _threads(T * (qd + kvd), PARALLEL_ELEMS, n_threads)
     cdef int nt_i = _threads(T * I, PARALLEL_ELEMS, n_threads)
     cdef Problem P
+    cdef Problem *rows
     try:
         for t in range(T):
             pos[t] = start + t
@@ -199,11 +200,18 @@ def qwen3_layer(float[:, ::1] x, Py_ssize_t start, const float[::1] w_in, const 
                 # int8 activations round each row afresh, so a verification row must give the bits
                 # of the decode step at its position: each row alone over its own keys, as that
                 # step computes it (the tiled block path sums in another order)
-                rc = 0
-                for t in range(T):
-                    _problem_init(&P, kc, vc, kv_bf16, start + t + 1, kc, vc, kv_bf16, 0, 1, Hq, Hkv, D, start + t,
-                                  window, 1, <float> (D ** -0.5), parts, _dp_pays == 1, amx)
-                    rc = rc | _attend_run(&P, q + t * qd, att + t * qd, n_threads)
+                rows = <Problem *> malloc(T * sizeof(Problem))
+                rc = -1
+                if rows != NULL:
+                    for t in range(T):
+                        _problem_init(&rows[t], kc, vc, kv_bf16, start + t + 1, kc, vc, kv_bf16, 0, 1, Hq, Hkv, D,
+                                      start + t, window, 1, <float> (D ** -0.5), parts, _dp_pays == 1, amx)
+                    # a decode step (T = 1) keeps its threads; a block's rows take one thread each
+                    if T == 1:
+                        rc = _attend_run(&rows[0], q, att, n_threads)
+                    else:
+                        rc = _attend_rows(rows, T, q, qd, att, n_threads)
+                    free(rows)
             elif append:
                 _problem_init(&P, kc, vc, kv_bf16, end, kc, vc, kv_bf16, 0, T, Hq, Hkv, D, start, window, 1,
                               <float> (D ** -0.5), parts, _dp_pays == 1, amx)
