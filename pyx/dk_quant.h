@@ -297,18 +297,19 @@ unsigned operand from the activations there: xq + 128, and S = sum (xq + 128) q 
 one's products weighted by 16: the same integers. */
 #if DK_VW == 16
 #define DK_QX_MR 6  /* 6 rows x 1 panel: 12 int (two chains a row) + 6 float accumulators, 2 weights */
-#define DK_QX_NV 1
-#define DK_QX_GV 4  /* M = 1: 4 panels a tile */
 #define DK_QX_CH 2  /* int32 chains per accumulator: the low and the high nibbles' products apart */
 #else
 #define DK_QX_MR 2  /* 2 rows x 1 panel (2 ymm): 4 int + 4 float accumulators of 16 ymm */
-#define DK_QX_NV 1
-#define DK_QX_GV 2
 #define DK_QX_CH 1
 #endif
-#define DK_QX_NVMAX (DK_QX_GV > DK_QX_NV ? DK_QX_GV : DK_QX_NV)
+#define DK_QX_NV 1  /* panels a tile */
 
-static inline long dk_qx_group(long M) { return M == 1 ? DK_QX_GV : DK_QX_NV; }
+/* One panel a tile for every M, a decode step's single row included: a panel's records lie one after
+   the other, so a thread streams one sequential run of bytes. A decode step's tile of 4 panels (2 on
+   AVX2) read 4 runs at once, interleaved block by block, and streamed SmolLM2's 30 layers of Q4_1
+   from DRAM 1.21-1.30x slower on a Zen 4 (1.21-1.44x on its avx2 tier; docs/benchmarks.md, session
+   30), although it ran faster warm in cache. */
+static inline long dk_qx_group(long M) { (void)M; return DK_QX_NV; }
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")  /* every product and sum rounded once, as numpy does */
@@ -395,21 +396,21 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
                       const float *dx, const float *sx, const uint8_t *P, long pstride, const float *bias,
                       float *out, long ldo, long ncols) {
     const long bb = dk_q_block_bytes(fmt);
-    dk_vf acc[DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
+    dk_vf acc[DK_QX_MR][DK_QX_NV * DK_Q_VPP];
     const int nvec = nv * DK_Q_VPP;
     const dk_vi low = (dk_vi){0} + 0x0F0F0F0F;
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
     for (long b = 0; b < nblk; b++) {
         /* integer sums are exact in any order: DK_QX_CH chains hide vpdpbusd's latency */
-        dk_vi s[DK_QX_CH][DK_QX_MR][DK_QX_NVMAX * DK_Q_VPP];
-        const uint8_t *blk[DK_QX_NVMAX * DK_Q_VPP];
+        dk_vi s[DK_QX_CH][DK_QX_MR][DK_QX_NV * DK_Q_VPP];
+        const uint8_t *blk[DK_QX_NV * DK_Q_VPP];
         for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * bb;  /* the record */
         for (int c = 0; c < DK_QX_CH; c++)
             for (int i = 0; i < mr; i++)
                 for (int v = 0; v < nvec; v++) s[c][i][v] = (dk_vi){0};
         for (int g = 0; fmt == DK_Q8X && g < 8; g++) {  /* 4 k a group; the activations unsigned (+ 128) */
-            dk_vi w[DK_QX_NVMAX * DK_Q_VPP];
+            dk_vi w[DK_QX_NV * DK_Q_VPP];
             for (int v = 0; v < nvec; v++) memcpy(&w[v], blk[v] + 64 + g * 64 + (v % DK_Q_VPP) * 4 * DK_VW, sizeof w[v]);
             for (int i = 0; i < mr; i++) {
                 int32_t a;  /* xq + 128: quantized with flip (dk_qx_quantize) */
@@ -419,7 +420,7 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
             }
         }
         for (int g = 0; fmt == DK_Q4X && g < 4; g++) {
-            dk_vi lo[DK_QX_NVMAX * DK_Q_VPP], hi[DK_QX_NVMAX * DK_Q_VPP];
+            dk_vi lo[DK_QX_NV * DK_Q_VPP], hi[DK_QX_NV * DK_Q_VPP];
             for (int v = 0; v < nvec; v++) {
                 dk_vi u;
                 memcpy(&u, blk[v] + 64 + g * 64 + (v % DK_Q_VPP) * 4 * DK_VW, sizeof u);
@@ -468,15 +469,9 @@ static void dk_qx_tile_any(int fmt, int mr, int nv, long nblk, long K, const int
         if (fmt == DK_Q8X) dk_qx_tile(DK_Q8X, MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols); \
         else dk_qx_tile(DK_Q4X, MR_, NV_, nblk, K, xq, dx, sx, P, pstride, bias, out, ldo, ncols); \
     } while (0)
-    if (mr == 1) {
-#if DK_QX_GV == 4
-        if (nv == 4) DK_QX_T(1, 4); else if (nv == 3) DK_QX_T(1, 3); else if (nv == 2) DK_QX_T(1, 2); else DK_QX_T(1, 1);
-#else
-        if (nv == 2) DK_QX_T(1, 2); else DK_QX_T(1, 1);
-#endif
-        return;
-    }
+    (void)nv;  /* DK_QX_NV */
     switch (mr) {
+    case 1: DK_QX_T(1, 1); break;
     case 2: DK_QX_T(2, 1); break;
 #if DK_QX_MR > 2
     case 3: DK_QX_T(3, 1); break;
