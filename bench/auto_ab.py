@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true",
                     help='also run "auto" that never drafts (this version\'s choice replaced by 0): what '
                          "keeping drafting possible costs an autoregressive step (taps, bookkeeping)")
-    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
+    ap.add_argument("--gguf-dtype", default="blocks-int8", choices=("blocks-int8", "blocks", "bfloat16", "float32"),
                     help="SmolLM2's GGUF weights: expanded, or read as stored (model.load's gguf_dtype)")
     args = ap.parse_args(argv)
 

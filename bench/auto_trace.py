@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--fixed", default="", help="comma-separated fixed k to run after each auto run")
     ap.add_argument("--adaptive", help="another version's model/adaptive.py to trace instead of this one")
-    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
+    ap.add_argument("--gguf-dtype", default="blocks-int8", choices=("blocks-int8", "blocks", "bfloat16", "float32"),
                     help="SmolLM2's GGUF weights: expanded, or read as stored (model.load's gguf_dtype)")
     args = ap.parse_args(argv)
 

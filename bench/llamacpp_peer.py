@@ -38,7 +38,7 @@ def write_prompts(path: str, n: int) -> None:
     Path(path).write_text(json.dumps([eng.chat_prompt(p) for p in chat_prompts("eval", n)]) + "\n")
 
 
-def run_ours(prompts: list[str], threads: int, max_new: int, k, gguf_dtype: str = "bfloat16") -> dict:
+def run_ours(prompts: list[str], threads: int, max_new: int, k, gguf_dtype: str = "blocks-int8") -> dict:
     import dflash_kernels.model as dm
 
     eng = dm.load_default("smollm2", n_threads=threads, gguf_dtype=gguf_dtype)
@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ours", action="store_true", help="time this project's engine instead of llama.cpp")
     ap.add_argument("-k", default="15", help="drafts per round for --ours (an int or 'auto')")
-    ap.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
+    ap.add_argument("--gguf-dtype", default="blocks-int8", choices=("blocks-int8", "blocks", "bfloat16", "float32"),
                     help="--ours: the GGUF's weights expanded, or its blocks read as stored (load's gguf_dtype)")
     args = ap.parse_args()
     if args.ours:

@@ -28,12 +28,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target KV cache storage: bfloat16 halves its bytes, and at --precision medium "
                         "attention reads it without conversion (default: float32)")
-    p.add_argument("--gguf-dtype", default="bfloat16", choices=("bfloat16", "float32", "blocks", "blocks-int8"),
-                   help="a GGUF target's quantized tensors: expanded to bfloat16 or float32 (exact), or "
-                        "blocks: Q4_0 / Q4_1 / Q8_0 matmul weights read as stored, exactly as their "
-                        "float32 values, the rest in bfloat16; blocks-int8: the same blocks times int8 "
-                        "activations as llama.cpp computes them, the drafter requantized to Q8_0 (fast "
-                        "verification rows; default: bfloat16)")
+    p.add_argument("--gguf-dtype", default="blocks-int8", choices=("blocks-int8", "blocks", "bfloat16", "float32"),
+                   help="a GGUF target's quantized tensors: blocks-int8, Q4_0 / Q4_1 / Q8_0 matmul weights "
+                        "read as stored and multiplied with int8 activations as llama.cpp computes them, "
+                        "the drafter requantized to Q8_0 (fast verification rows); blocks: the same blocks "
+                        "computed exactly as their float32 values; or expanded to bfloat16 or float32 "
+                        "(exact) at load (default: blocks-int8)")
     p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),
                    help="cap the compiled kernels' ISA tier, as DFLASH_ISA (default: the CPU's best)")
 

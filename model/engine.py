@@ -465,7 +465,7 @@ class _Run:
 def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: str = "float32",
          n_threads: int | None = None, backend: str = "auto", prefill_chunk: int = 512,
          fuse_weights="auto", precision: str | None = None, draft_precision: str | None = "auto",
-         gguf_dtype: str = "bfloat16", mmap: bool = True, check_weights: bool = False,
+         gguf_dtype: str = "blocks-int8", mmap: bool = True, check_weights: bool = False,
          draft_vocab: bool = True, draft_int8: bool | None = None) -> Engine:
     """Load a Qwen3, Llama or Qwen3.5 (hybrid Gated DeltaNet) target, and optionally a DFlash drafter.
 
@@ -483,14 +483,14 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     verifies, so it changes speed and acceptance, never the output. "auto" (default): "medium" where
     a bf16 dot product runs it (dflash_kernels.bf16_dot_pays(): AMX, or vdpbf16ps on Zen 4), else
     the target's; None: the target's; or one of the three names.
-    gguf_dtype: what a GGUF's quantized tensors are expanded to, "bfloat16" (half the bytes) or
-    "float32" (exact; parity with a float32 reference); or "blocks": Q4_0 / Q4_1 / Q8_0 matmul weights
-    (projections, embedding, LM head) stay in their blocks (5 / 8.5 bits a weight, computed exactly
-    as their float32 expansion, dflash_kernels.quant), other quantized tensors in bf16; or
-    "blocks-int8": the same blocks, multiplied as llama.cpp does (each activation row rounded
-    to int8 per block of 32, integer dot products: several rows at the cost of about one, so DFlash
-    verification and prefill are much cheaper; values within about 1% of the exact ones, the
-    precision setting aside: docs/architecture.md).
+    gguf_dtype: how a GGUF's quantized tensors run. "blocks-int8" (default): Q4_0 / Q4_1 / Q8_0 matmul
+    weights (projections, embedding, LM head) stay in their blocks (5 / 8.5 bits a weight) and are
+    multiplied as llama.cpp does (each activation row rounded to int8 per block of 32, integer dot
+    products: several rows at the cost of about one, so DFlash verification and prefill are cheap;
+    values within about 1% of the exact ones, the precision setting aside: docs/architecture.md);
+    other quantized tensors in bf16. "blocks": the same blocks computed exactly as their float32
+    expansion (dflash_kernels.quant). Or expanded at load: "bfloat16" (half float32's bytes) or
+    "float32" (exact; parity with a float32 reference such as transformers).
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
