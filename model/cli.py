@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-dtype", default="blocks-int8", choices=("blocks-int8", "blocks", "bfloat16", "float32"),
                    help="a GGUF target's quantized tensors: blocks-int8, Q4_0 / Q4_1 / Q8_0 matmul weights "
                         "read as stored and multiplied with int8 activations as llama.cpp computes them, "
-                        "the drafter requantized to Q8_0 (fast verification rows); blocks: the same blocks "
+                        "the drafter requantized to Q4_1 (fast verification rows); blocks: the same blocks "
                         "computed exactly as their float32 values; or expanded to bfloat16 or float32 "
                         "(exact) at load (default: blocks-int8)")
     p.add_argument("--isa", default=None, choices=("avx2", "avx512", "avx512_bf16", "amx"),

@@ -17,7 +17,7 @@ from dflash_kernels.quant import QuantizedRows
 from ._ops import Ops
 from .config import DFlashConfig
 from .qwen3 import composed_layers, qwen3_layer_shapes
-from .weights import as_f32, check_tensors, concat_rows, q8_int8_rows, storage
+from .weights import as_f32, check_tensors, concat_rows, int8_rows, storage
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig, target_hidden: int) -> dict[str, tuple]:
@@ -63,14 +63,14 @@ class DFlashDrafter:
         self.embed, self.lm_head = embed, lm_head
         t = {k: storage(v) for k, v in tensors.items()}
         prep = self.ops.prepare if fuse else (lambda w: w)  # as in Qwen3Model
-        # every matmul weight as Q8_0 blocks times int8 activations (drafts are only proposals), where
+        # every matmul weight as Q4_1 blocks times int8 activations (drafts are only proposals), where
         # every K (hidden, intermediate, q_dim, the taps' width) is whole blocks of 32
         ks = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim,
               len(cfg.target_layer_ids) * target_hidden)
         self.int8 = int8 and fuse and all(k % 32 == 0 for k in ks)
         if self.int8:
             def prep(w):
-                return self.ops.prepare(q8_int8_rows(w))
+                return self.ops.prepare(int8_rows(w))
         self.fc = prep(t["fc.weight"])
         self.hidden_norm = as_f32(t["hidden_norm.weight"])
         self.norm = as_f32(t["norm.weight"])

@@ -494,7 +494,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     mmap: True maps the checkpoint files (no copy; but a file truncated while loaded makes the process
     fail with SIGBUS, as any memory-mapped reader does); False reads them into memory.
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
-    draft_int8: the drafter's matmul weights requantized to Q8_0 blocks at load and multiplied with int8
+    draft_int8: the drafter's matmul weights requantized to Q4_1 blocks at load and multiplied with int8
     activations (half the bytes a draft streams; drafts are only proposals, so the output does not
     change, only which drafts are accepted). None (default): when gguf_dtype is "blocks-int8".
     draft_vocab: draft only over the tokens listed in the drafter directory's draft_vocab.json when

@@ -251,7 +251,7 @@ def test_a_gguf_model_run_with_int8_activations(tmp_path, qtype):
     int8 = dm.load(path, drafter, gguf_dtype="blocks-int8", max_len=128)
     want = 5 if qtype == Q.Q8_0 else 4
     assert int8.target.layers[0].quant == want and int8.target.fused_layers and int8.target.lm_head.quant == want
-    # the drafter is requantized to Q8_0 at load where its K are whole blocks (not this one's: intermediate 80)
+    # the drafter is requantized to Q4_1 at load where its K are whole blocks (not this one's: intermediate 80)
     assert not int8.drafter.int8 and int8.drafter.layers[0].quant == 0 and int8.drafter.fused_layers
     for ar, sd in greedy_runs(int8):  # lossless: verification rows give the bits of decode steps
         assert sd.token_ids == ar.token_ids
