@@ -297,10 +297,13 @@ unsigned operand from the activations there: xq + 128, and S = sum (xq + 128) q 
 one's products weighted by 16: the same integers. */
 #if DK_VW == 16
 #define DK_QX_MR 6  /* 6 rows x 1 panel: 12 int (two chains a row) + 6 float accumulators, 2 weights */
-#define DK_QX_CH 2  /* int32 chains per accumulator: the low and the high nibbles' products apart */
 #else
-#define DK_QX_MR 2  /* 2 rows x 1 panel (2 ymm): 4 int + 4 float accumulators of 16 ymm */
-#define DK_QX_CH 1
+#define DK_QX_MR 2  /* 2 rows x 1 panel (2 ymm): 4 int (8 for Q8X) + 4 float accumulators of 16 ymm */
+#endif
+#if DK_VW == 16 && defined(__AVX512VNNI__)
+#define DK_QX_VNNI 1
+#else
+#define DK_QX_VNNI 0
 #endif
 #define DK_QX_NV 1  /* panels a tile */
 
@@ -366,27 +369,30 @@ static void dk_qx_quantize(long M, long K, const float *x, long ldx, int flip, i
         }
 }
 
-/* acc (int32 lanes) += 4-byte dot products of u (unsigned bytes) and s (signed bytes) */
+/* A block's integer sums, two chains an accumulator (the low and the high nibbles' products apart).
+   With VNNI, int32 lanes: acc += the 4-byte dot products of u (unsigned bytes) and s (signed bytes),
+   one vpdpbusd. Without, int16 lanes: acc += vpmaddubsw's pair sums, widened to int32 once a block
+   (dk_qx_int32): u <= 15 (a nibble) and |s| <= 128 bound a pair sum by 3840, and a chain adds at most
+   8 of them (30720 < 32767), so the int16 sums are exact and the block's integers the same. (Widened
+   after every vpmaddubsw, as before session 30, that took 3 instructions a product vector, not 2.) */
 DK_AI dk_vi dk_qx_dot(dk_vi acc, dk_vi u, dk_vi s) {
-#if DK_VW == 16 && defined(__AVX512VNNI__)
+#if DK_QX_VNNI
     return (dk_vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
 #elif DK_VW == 16
-    __m512i p = _mm512_maddubs_epi16((__m512i)u, (__m512i)s);  /* 15 * 127 * 2: never saturates */
-    return acc + (dk_vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+    return (dk_vi)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16((__m512i)u, (__m512i)s));
 #else
-    __m256i p = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
-    return acc + (dk_vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return (dk_vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)u, (__m256i)s));
 #endif
 }
 
-/* acc += 4-byte dot products of u (unsigned bytes, any value) and s (signed bytes) */
-DK_AI dk_vi dk_qx_dot8(dk_vi acc, dk_vi u, dk_vi s) {
-#if DK_VW == 16 && defined(__AVX512VNNI__)
-    return (dk_vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+/* A chain's int16 lanes as int32 sums of pairs (without VNNI; with, the lanes are int32 already) */
+DK_AI dk_vi dk_qx_int32(dk_vi acc) {
+#if DK_QX_VNNI
+    return acc;
+#elif DK_VW == 16
+    return (dk_vi)_mm512_madd_epi16((__m512i)acc, _mm512_set1_epi16(1));
 #else
-    const dk_vi low = (dk_vi){0} + 0x0F0F0F0F;
-    dk_vi lo = dk_qx_dot((dk_vi){0}, u & low, s), hi = dk_qx_dot((dk_vi){0}, (dk_vi)((dk_vu)u >> 4) & low, s);
-    return acc + lo + hi * 16;
+    return (dk_vi)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -402,11 +408,11 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nvec; v++) acc[i][v] = (dk_vf){0};
     for (long b = 0; b < nblk; b++) {
-        /* integer sums are exact in any order: DK_QX_CH chains hide vpdpbusd's latency */
-        dk_vi s[DK_QX_CH][DK_QX_MR][DK_QX_NV * DK_Q_VPP];
+        /* integer sums are exact in any order: two chains (dk_qx_dot) */
+        dk_vi s[2][DK_QX_MR][DK_QX_NV * DK_Q_VPP];
         const uint8_t *blk[DK_QX_NV * DK_Q_VPP];
         for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * bb;  /* the record */
-        for (int c = 0; c < DK_QX_CH; c++)
+        for (int c = 0; c < 2; c++)
             for (int i = 0; i < mr; i++)
                 for (int v = 0; v < nvec; v++) s[c][i][v] = (dk_vi){0};
         for (int g = 0; fmt == DK_Q8X && g < 8; g++) {  /* 4 k a group; the activations unsigned (+ 128) */
@@ -416,7 +422,16 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
                 int32_t a;  /* xq + 128: quantized with flip (dk_qx_quantize) */
                 memcpy(&a, xq + i * K + b * DK_Q_BLOCK + 4 * g, 4);
                 const dk_vi xa = (dk_vi){0} + a;
-                for (int v = 0; v < nvec; v++) s[g & (DK_QX_CH - 1)][i][v] = dk_qx_dot8(s[g & (DK_QX_CH - 1)][i][v], xa, w[v]);
+#if DK_QX_VNNI  /* the chains alternate by group */
+                for (int v = 0; v < nvec; v++) s[g & 1][i][v] = dk_qx_dot(s[g & 1][i][v], xa, w[v]);
+#else  /* vpmaddubsw's unsigned bytes would saturate its pair sums (255 x 127 x 2): the activations'
+          low nibbles in chain 0, their high nibbles in chain 1 (weighted by 16 when widened) */
+                const dk_vi xlo = xa & low, xhi = (dk_vi)((dk_vu)xa >> 4) & low;
+                for (int v = 0; v < nvec; v++) {
+                    s[0][i][v] = dk_qx_dot(s[0][i][v], xlo, w[v]);
+                    s[1][i][v] = dk_qx_dot(s[1][i][v], xhi, w[v]);
+                }
+#endif
             }
         }
         for (int g = 0; fmt == DK_Q4X && g < 4; g++) {
@@ -433,8 +448,12 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
                 memcpy(&c, xq + i * K + b * DK_Q_BLOCK + 8 * g + 4, 4);
                 const dk_vi xa = (dk_vi){0} + a, xc = (dk_vi){0} + c;
                 for (int v = 0; v < nvec; v++) {
+#if DK_QX_VNNI
                     s[0][i][v] = dk_qx_dot(s[0][i][v], lo[v], xa);
-                    s[DK_QX_CH - 1][i][v] = dk_qx_dot(s[DK_QX_CH - 1][i][v], hi[v], xc);
+                    s[1][i][v] = dk_qx_dot(s[1][i][v], hi[v], xc);
+#else  /* one int16 chain (fewer registers): 8 pair sums of at most 15 x 127 x 2 = 3810 a block */
+                    s[0][i][v] = dk_qx_dot(dk_qx_dot(s[0][i][v], lo[v], xa), hi[v], xc);
+#endif
                 }
             }
         }
@@ -443,7 +462,8 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
             if (fmt == DK_Q8X) {
                 const dk_vi c = dk_q_i16(blk[v] + 32 + (v % DK_Q_VPP) * 2 * DK_VW) * 128;
                 for (int i = 0; i < mr; i++) {
-                    const dk_vi si = (DK_QX_CH == 2 ? s[0][i][v] + s[DK_QX_CH - 1][i][v] : s[0][i][v]) - c;
+                    const dk_vi si = (DK_QX_VNNI ? s[0][i][v] + s[1][i][v]
+                                                 : dk_qx_int32(s[0][i][v]) + dk_qx_int32(s[1][i][v]) * 16) - c;
                     const dk_vf ddx = d * dx[i * nblk + b];
                     acc[i][v] = acc[i][v] + ddx * __builtin_convertvector(si, dk_vf);
                 }
@@ -451,7 +471,7 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
             }
             const dk_vf m = dk_q_f16(blk[v] + 32 + (v % DK_Q_VPP) * 2 * DK_VW);
             for (int i = 0; i < mr; i++) {
-                const dk_vi si = DK_QX_CH == 2 ? s[0][i][v] + s[DK_QX_CH - 1][i][v] : s[0][i][v];
+                const dk_vi si = DK_QX_VNNI ? s[0][i][v] + s[1][i][v] : dk_qx_int32(s[0][i][v]);
                 const dk_vf ddx = d * dx[i * nblk + b];
                 acc[i][v] = acc[i][v] + ddx * __builtin_convertvector(si, dk_vf);
                 acc[i][v] = acc[i][v] + m * sx[i * nblk + b];
