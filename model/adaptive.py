@@ -18,7 +18,7 @@ Until both an AR step and a draft round have been timed, ``AutoK.choose`` explor
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
 stretches and out of long stretches of short rounds, which see the acceptance at every position
 (``AutoK``): greedy, a round of a short k whose whole block is drafted, its drafts past k checked
-against the tokens the target commits next; sampled, a round of the longest k. A later request
+against the tokens the target commits next; sampled, a round of 2 k + 1 drafts. A later request
 starts at the k the Engine's last one ended with, not with the longest k again; a greedy one probes
 on its own schedule, a sampled one on the schedule the last sampled request reached.
 """
@@ -197,7 +197,7 @@ class AutoK:
 
     An autoregressive step says nothing about acceptance, so once the estimate favours k = 0 it
     would never learn that drafting pays again: after PROBE_EVERY autoregressive steps in a row,
-    one round drafts k_max anyway, which shows every position. (A probe of the best k > 0 under
+    one round drafts anyway (``_probe``), which shows positions past it. (A probe of the best k > 0 under
     the estimate that had just lost to k = 0 was mostly a k = 2 or 3, whose few drafts seldom
     changed the estimate: on the stdlib pair auto spent 600-800 of its 900 rounds on
     autoregressive steps where k = 15 ran 1.6x faster; bench/auto_ab.py, session 20.) A probe
@@ -221,7 +221,8 @@ class AutoK:
     from 1.08x to 1.33x autoregressive (k = 15: 1.49x); on SmolLM2 1.54x to 1.59x (k = 2: 1.54x),
     with `bench/auto_ab.py` (docs/benchmarks.md, session 18).
 
-    Both kinds of probe drafted k_max until session 28. A greedy probe now runs the best drafting k
+    Both kinds of probe drafted k_max until session 28 (sampled ones until session 30, now 2 k + 1). A
+    greedy probe now runs the best drafting k
     (the chosen k for a long probe) with the whole block drafted (``_probe``): the drafter's pass
     over 16 rows costs little more than over 3, while verifying 16 rows over SmolLM2's GGUF blocks
     costs 4.5 autoregressive steps on a Zen 4. (Drafting the whole block in every round, for the
@@ -298,14 +299,18 @@ class AutoK:
         return self._choice
 
     def _probe(self, k: int) -> int:
-        """The k of a round that shows the acceptance at every position. Sampled: k_max. Greedy: k,
-        with the whole block drafted (``whole_block``), whose drafts past k are checked against the
-        tokens the target commits next (``observe``): a greedy target commits the same tokens
-        whatever was drafted, so a draft past k would have been accepted exactly when it and the
-        drafts before it equal them. A probe then costs a round of k and the drafter's longer block,
-        not a round of k_max (4.5 autoregressive steps over SmolLM2's GGUF blocks on a Zen 4)."""
+        """The k of a round that shows the acceptance past k. Greedy: k, with the whole block drafted
+        (``whole_block``), whose drafts past k are checked against the tokens the target commits next
+        (``observe``): a greedy target commits the same tokens whatever was drafted, so a draft past
+        k would have been accepted exactly when it and the drafts before it equal them. A probe then
+        costs a round of k and the drafter's longer block, not a round of k_max (4.5 autoregressive
+        steps over SmolLM2's GGUF blocks on a Zen 4). Sampled (nothing to check in hindsight: the
+        target's tokens depend on the drafts): 2 k + 1 drafts, each probe that changes the decision
+        seeing twice as deep as the last. (k_max until session 30: over SmolLM2's GGUF blocks times
+        int8 activations, where a k = 15 round costs about 6 autoregressive steps on a Zen 4's avx2
+        tier, its probes cost `auto` at T = 0.7 6-8% against autoregressive decoding.)"""
         if self.sampled:
-            return self.k_max
+            return min(self.k_max, 2 * k + 1)
         self.whole_block = k < self.k_max
         return k
 

@@ -150,9 +150,9 @@ def test_autok_goes_autoregressive_when_drafts_do_not_pay_and_probes(sampled):
         chooser.observe(k_max, 0, 3.0)
     picks = [chooser.choose() for _ in range(PROBE_EVERY)]
     assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
-    # after PROBE_EVERY autoregressive steps, one drafting round anyway that sees every position:
-    # sampled, k_max; greedy, the best drafting k (the cheapest here) over the whole block
-    probe = k_max if sampled else 1
+    # after PROBE_EVERY autoregressive steps, one drafting round anyway that sees past it: greedy, the
+    # best drafting k (the cheapest here) over the whole block; sampled, 2 k + 1 of them
+    probe = 3 if sampled else 1
     assert picks[-1] == probe and chooser.whole_block == (not sampled)
     chooser.observe(probe, 0, 3.0, [7], None if sampled else [8] * (k_max - 1))  # rejected too
     picks = [chooser.choose() for _ in range(2 * PROBE_EVERY)]
@@ -274,7 +274,7 @@ def test_autok_decision_follows_each_new_estimate():
 @pytest.mark.parametrize("sampled", [False, True])
 def test_long_rounds_now_and_then_among_short_ones(sampled):
     """A short k leaves the positions past it unseen: after LONG_PROBE_EVERY short rounds in a row one
-    round sees them all (sampled: drafts k_max; greedy: drafts the whole block, verifies k); each that
+    round sees past it (sampled: drafts 2 k + 1; greedy: drafts the whole block, verifies k); each that
     changes nothing doubles the interval."""
     k_max = 15
     cost = RoundCost(k_max)
@@ -288,9 +288,9 @@ def test_long_rounds_now_and_then_among_short_ones(sampled):
     picks, longs = [], []
     for i in range(LONG_PROBE_EVERY * 7 + 1):
         picks.append(chooser.choose())
-        if picks[-1] == k_max or chooser.whole_block:
+        if picks[-1] == 5 or chooser.whole_block:
             longs.append(i)
         unverified = [1] * (k_max - picks[-1]) if chooser.whole_block else None
-        chooser.observe(picks[-1], min(picks[-1], 2), 5.0 if picks[-1] == k_max else 1.2, [0] * 3, unverified)
-    assert set(picks) == ({2, k_max} if sampled else {2})
+        chooser.observe(picks[-1], min(picks[-1], 2), 1.2 if picks[-1] == 2 else 5.0, [0] * 3, unverified)
+    assert set(picks) == ({2, 5} if sampled else {2})
     assert longs == [LONG_PROBE_EVERY - 1, 3 * LONG_PROBE_EVERY - 1, 7 * LONG_PROBE_EVERY - 1]
