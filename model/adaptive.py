@@ -16,7 +16,7 @@ Both are estimated online from the rounds the engine runs anyway:
   noisy points to k = 15 at 1.4x the real cost).
 Until both an AR step and a draft round have been timed, ``AutoK.choose`` explores: the longest k
 first, then AR steps; after that it takes the best k, with probes out of long autoregressive
-stretches and out of long stretches of short rounds, which see the acceptance at every position
+stretches and out of long stretches of short rounds, which see the acceptance past the chosen k
 (``AutoK``): greedy, a round of a short k whose whole block is drafted, its drafts past k checked
 against the tokens the target commits next; sampled, a round of 2 k + 1 drafts. A later request
 starts at the k the Engine's last one ended with, not with the longest k again; a greedy one probes
