@@ -10,6 +10,9 @@ Both are estimated online from the rounds the engine runs anyway:
   drafts, each shrunk toward PRIOR_ACCEPT times the estimate at j - 1. (Starting a request from
   the acceptance the last one learnt instead, tried in session 13, cost SmolLM2's auto 10-20%: its
   prompts differ, and a request after a poor one no longer tried the drafts that paid for it.)
+  A sampled request does start from the last sampled one's estimate, as its prior: at T > 0 the
+  sampling decides most of the acceptance (SmolLM2's int8 blocks at T = 0.7 on a Zen 4's avx2
+  tier: `auto` 0.951x -> 0.979x autoregressive; bench/auto_ab.py, session 30).
 - ``RoundCost`` (per Engine: a property of the pair, the machine, the tier and the threads): the
   fastest recent round run at each k, greedy rounds of a fixed k included, interpolated between
   them and the autoregressive step (a least-squares line, tried first, extrapolated its early
@@ -143,6 +146,8 @@ class RoundCost:
         self.last_k: int | None = None
         # the probe interval a sampled request starts with: the last sampled request's (AutoK)
         self.sampled_probe_interval = PROBE_EVERY
+        # the last sampled request's acceptance: the next sampled request's prior (AutoK)
+        self.sampled_acceptance: AcceptanceEstimate | None = None
 
     def observe(self, k: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or not 0 <= k < len(self.est):
@@ -232,7 +237,15 @@ class AutoK:
 
     def __init__(self, k_max: int, cost: RoundCost, prior=None, *, sampled: bool = False):
         self.k_max, self.cost, self.sampled = k_max, cost, sampled
+        if prior is None and sampled and cost.sampled_acceptance is not None \
+                and cost.sampled_acceptance.prior.shape == (k_max,):
+            # at T > 0 the sampling decides most of the acceptance: a sampled request starts from
+            # what the last one measured (as a prior of PRIOR_WEIGHT rounds), not from the
+            # optimistic PRIOR_ACCEPT ** j
+            prior = np.maximum(cost.sampled_acceptance.survival, 1e-9)  # (ratios of it are taken)
         self.acceptance = AcceptanceEstimate(k_max, prior)
+        if sampled:
+            cost.sampled_acceptance = self.acceptance
         self.ar_run = 0  # autoregressive steps since the last drafting round
         self.interval = cost.sampled_probe_interval if sampled else PROBE_EVERY
         self.rounds = 0

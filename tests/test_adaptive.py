@@ -253,6 +253,22 @@ def test_a_sampled_request_starts_with_the_last_sampled_probe_interval():
     assert AutoK(k_max, cost).interval == PROBE_EVERY  # greedy: afresh
 
 
+def test_a_sampled_request_starts_from_the_last_sampled_acceptance():
+    """... and from the acceptance the last sampled request measured, where a greedy request (and the
+    first sampled one) starts from the optimistic PRIOR_ACCEPT ** j."""
+    k_max = 15
+    cost = _cost(1.0, 3.0)
+    first = AutoK(k_max, cost, sampled=True)
+    first.choose()
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # one draft in four accepted, never two
+        first.observe(k_max, int(rng.random() < 0.25), 3.0)
+    second = AutoK(k_max, cost, sampled=True)
+    np.testing.assert_allclose(second.acceptance.survival, np.maximum(first.acceptance.survival, 1e-9))
+    assert second.acceptance.survival[0] < 0.5 < AutoK(k_max, cost).acceptance.survival[0]
+    assert AutoK(k_max, RoundCost(k_max), sampled=True).acceptance.survival[0] > 0.5  # none before it
+
+
 def test_autok_decision_follows_each_new_estimate():
     """choose() reuses its argmax while neither estimate changed; a change is seen at once."""
     k_max = 15
