@@ -496,7 +496,8 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
     check_weights: scan every tensor for NaN / infinity first (a WeightsError names the tensor).
     draft_int8: the drafter's matmul weights requantized to Q4_1 blocks at load and multiplied with int8
     activations (half the bytes a draft streams; drafts are only proposals, so the output does not
-    change, only which drafts are accepted). None (default): when gguf_dtype is "blocks-int8".
+    change, only which drafts are accepted). None (default): when the target is a GGUF run with
+    gguf_dtype "blocks-int8".
     draft_vocab: draft only over the tokens listed in the drafter directory's draft_vocab.json when
     there is one (model/draft_vocab.py: a cheaper drafter LM head; the output is the target's either way).
     Raises ConfigError / WeightsError / TokenizerError / ValueError naming the file and key.
@@ -508,7 +509,9 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
         raise ValueError(f"fuse_weights must be True, False or 'auto', got {fuse_weights!r}")
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an int >= 1 (prompt rows per target forward), got {prefill_chunk!r}")
+    gguf_int8 = False  # a GGUF target over its blocks times int8 activations: the drafter's default too
     if is_gguf(target_dir):
+        gguf_int8 = gguf_dtype == "blocks-int8"
         ck = read_gguf(target_dir, gguf_dtype, mmap=mmap)
         tcfg = qwen3_config_from_dict(ck.config, f"{ck.path} (metadata)")
         tensors, origin = ck.tensors, ck.origin
@@ -561,7 +564,7 @@ def load(target_dir, drafter_dir=None, *, max_len: int | None = None, kv_dtype: 
             check_finite(dtensors, dorigin)
         drafter = DFlashDrafter(dcfg, dtensors, target.embed, target.lm_head, origin=dorigin, ops=draft_ops,
                                 target_hidden=tcfg.hidden_size, fuse=fuse, where=str(drafter_dir),
-                                int8=gguf_dtype == "blocks-int8" if draft_int8 is None else bool(draft_int8))
+                                int8=gguf_int8 if draft_int8 is None else bool(draft_int8))
         vocab_file = drafter_dir / draft_vocab_file
         if draft_vocab and vocab_file.is_file():
             drafter.set_draft_vocab(read_draft_vocab(vocab_file, tcfg.vocab_size), target.lm_head_table)

@@ -51,6 +51,8 @@ def test_int8_activations_keep_dflash_lossless():
     assert pair.drafter.layers[0].quant == 4 and pair.drafter.fused_layers  # requantized to Q4_1 at load
     assert dm.load(GGUF, SMOLLM2_DRAFTER, gguf_dtype="blocks-int8", draft_int8=False,
                    max_len=64).drafter.layers[0].quant == 0
+    default = dm.load(GGUF, SMOLLM2_DRAFTER, max_len=64)  # blocks-int8 is the default for a GGUF
+    assert default.target.layers[0].quant == 4 and default.drafter.int8
     for case in RECORD["cases"][:3]:
         ar = pair.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True, num_speculative_tokens=0)
         sd = pair.generate(case["prompt_ids"], RECORD["tokens"], ignore_eos=True, num_speculative_tokens=15)
