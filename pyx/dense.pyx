@@ -470,9 +470,7 @@ def linear_packed(const float[:, ::1] x, const ptype[::1] packed, const float[::
     cdef Py_ssize_t npanels = (N + DK_PK_COLS - 1) // DK_PK_COLS
     if ptype is gguf_byte and (quant not in (DK_Q4, DK_Q8, DK_Q4X, DK_Q8X) or K % 32):
         raise ValueError(f"linear_packed: quant must be {DK_Q4} (Q4), {DK_Q8} (Q8), {DK_Q4X} (Q4 x int8) or {DK_Q8X} "
-                         f"(Q8 x int8) with K "
-                         f"a multiple of 32, "
-                         f"got {quant} and K = {K}")
+                         f"(Q8 x int8) with K a multiple of 32, got {quant} and K = {K}")
     if packed.shape[0] != npanels * _panel_size(K, bf16) or out.shape[0] != M \
             or (bias is not None and bias.shape[0] != N):
         raise ValueError(f"linear_packed: packed weight of {packed.shape[0]} values does not fit x {(M, K)}, "
