@@ -314,6 +314,13 @@ one's products weighted by 16: the same integers. */
    30), although it ran faster warm in cache. */
 static inline long dk_qx_group(long M) { (void)M; return DK_QX_NV; }
 
+/* A tile prefetches the record this many ahead (2.5 KiB for Q4X): a layer's matmuls are 0.2-1.1 MB
+   each, split over the threads, too short a run for the hardware prefetchers to reach full speed.
+   SmolLM2's 120 matmuls of a decode step (Xeon with AMX, its weights in the L3; amx, avx512_bf16 and
+   avx2 tiers): 0.77-0.86x the time on one thread, 0.87-0.90x on two; 3-row and 5-row blocks gained
+   as much, 16 rows less; 4 and 16 records ahead gained less (docs/benchmarks.md, session 31). */
+#define DK_QX_PF 8
+
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")  /* every product and sum rounded once, as numpy does */
 
@@ -412,6 +419,8 @@ DK_AI void dk_qx_tile(const int fmt, const int mr, const int nv, long nblk, long
         dk_vi s[2][DK_QX_MR][DK_QX_NV * DK_Q_VPP];
         const uint8_t *blk[DK_QX_NV * DK_Q_VPP];
         for (int v = 0; v < nvec; v++) blk[v] = P + (v / DK_Q_VPP) * pstride + b * bb;  /* the record */
+        for (long o = 0; o < bb; o += 64)  /* the record DK_QX_PF ahead in this thread's one run of bytes */
+            __builtin_prefetch(blk[0] + DK_QX_PF * bb + o, 0, 3);
         for (int c = 0; c < 2; c++)
             for (int i = 0; i < mr; i++)
                 for (int v = 0; v < nvec; v++) s[c][i][v] = (dk_vi){0};
