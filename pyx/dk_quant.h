@@ -317,8 +317,8 @@ static inline long dk_qx_group(long M) { (void)M; return DK_QX_NV; }
 /* A tile prefetches the record this many ahead (2.5 KiB for Q4X): a layer's matmuls are 0.2-1.1 MB
    each, split over the threads, too short a run for the hardware prefetchers to reach full speed.
    SmolLM2's 120 matmuls of a decode step (Xeon with AMX, its weights in the L3; amx, avx512_bf16 and
-   avx2 tiers): 0.77-0.86x the time on one thread, 0.87-0.90x on two; 3-row and 5-row blocks gained
-   as much, 16 rows less; 4 and 16 records ahead gained less (docs/benchmarks.md, session 31). */
+   avx2 tiers): 0.75-0.85x the time on one thread, 0.87-0.91x on two; 3-row and 5-row blocks gained
+   as much, 16 rows less; 4, 16 and 32 records ahead gained less (docs/benchmarks.md, session 31). */
 #define DK_QX_PF 8
 
 #pragma GCC push_options
