@@ -107,19 +107,36 @@ def is_gguf(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
 
 
+def _reader(path: Path):
+    """gguf.GGUFReader over a plain ndarray view of its file mapping. The reader slices and views its
+    np.memmap once per metadata value, and np.memmap's indexing runs Python code each time (as in
+    weights.py): SmolLM2's 147k tokenizer parts took 1.65 s to parse, 0.56 s this way (session 31).
+    The views still read the mapping; nothing is copied."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapping):  # GGUFReader.__init__ assigns its np.memmap here
+            self._data = mapping.view(np.ndarray) if isinstance(mapping, np.memmap) else mapping
+
+    return Reader(path, "r")
+
+
 def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: bool = True) -> GGUFCheckpoint:
     """Read a GGUF checkpoint (see the module docstring). dtype: what quantized tensors are expanded
     to, "float32" or "bfloat16", or "blocks" (Q4_0 / Q4_1 / Q8_0 matmul weights kept as
     ``QuantizedRows``, the rest in bf16), or "blocks-int8" (the same, their Q4 blocks to be multiplied
     with int8 activations: ``QuantizedRows.activations``); F32 / F16 / BF16 tensors keep their own type (memory-mapped,
     or copied into memory with mmap=False)."""
-    import gguf
-
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype must be one of {GGUF_DTYPES}, got {dtype!r}")
     path = find_gguf(path)
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _reader(path)
     except FileNotFoundError:
         raise WeightsError(f"{path}: file not found") from None
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on corrupt files
@@ -141,11 +158,9 @@ def read_gguf(path, dtype: str = "bfloat16", with_tokenizer: bool = True, mmap: 
 
 def read_gguf_tokenizer(path):
     """(tokenizers.Tokenizer, chat template or None) from a GGUF's metadata only: no tensor is read."""
-    import gguf
-
     path = find_gguf(path)
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _reader(path)
     except Exception as err:
         raise WeightsError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
     meta = _Metadata(reader, path)
