@@ -213,20 +213,19 @@ def as_f32(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-def int8_rows(w: np.ndarray, qtype: str = "Q4_1"):
-    """A float32 / bf16 matmul weight (N, K) requantized to GGUF blocks of `qtype` (gguf-py's
-    quantizer), to be multiplied with int8 activations (dflash_kernels.quant); GGUF blocks keep
-    theirs; w itself when K is not a multiple of 32. Q4_1 by default: a drafter's weights (drafts
-    are only proposals) drafted with the same acceptance in half Q8_0's bytes on SmolLM2
-    (docs/benchmarks.md, session 30)."""
+def int8_rows(w: np.ndarray):
+    """A float32 / bf16 matmul weight (N, K) requantized to Q4_1 blocks (gguf-py's quantizer), to be
+    multiplied with int8 activations (dflash_kernels.quant); GGUF blocks keep theirs; w itself when K
+    is not a multiple of 32. Q4_1: a drafter's weights (drafts are only proposals) drafted with the
+    same acceptance in half Q8_0's bytes on SmolLM2 (docs/benchmarks.md, session 30)."""
     if isinstance(w, QuantizedRows):
         return QuantizedRows(w.blocks, w.qtype, "int8")
     if w.ndim != 2 or w.shape[1] % 32:
         return w
     from gguf import GGMLQuantizationType, quants
 
-    raw = quants.quantize(as_f32(w), getattr(GGMLQuantizationType, qtype))
-    return QuantizedRows(QuantizedRows.from_bytes(raw, w.shape, qtype).blocks, qtype, "int8")
+    raw = quants.quantize(as_f32(w), GGMLQuantizationType.Q4_1)
+    return QuantizedRows(QuantizedRows.from_bytes(raw, w.shape, "Q4_1").blocks, "Q4_1", "int8")
 
 
 def release_pages(*arrays) -> None:
